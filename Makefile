@@ -1,0 +1,38 @@
+# `make demo`, `make test` and `make bench` each set up a local virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS := .ci/constraints.txt
+EXTRAS ?= test
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
+
+.PHONY: venv test test-slow demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned, so no extra ever pulls a different (CUDA) build.
+	$(PIP) install --quiet torch==2.13.0
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+demo: venv
+	$(PY) examples/gemini_kill_recover.py
+
+bench: venv
+	$(PY) -m benchmarks.gemini_bench
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info demo-output benchmarks/results

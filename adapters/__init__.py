@@ -1,0 +1,1 @@
+"""Framework adapters: where each framework keeps state and process groups (lm_resiliency.adapters)."""

@@ -1,0 +1,1 @@
+"""Framework-native surfaces that drive a ResiliencySession (lm_resiliency.callbacks)."""

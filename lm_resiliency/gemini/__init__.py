@@ -1,0 +1,1 @@
+"""GEMINI: in-memory checkpoints with peer replication and node-local persistence."""

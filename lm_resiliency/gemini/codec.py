@@ -1,0 +1,287 @@
+"""Turn a nested training state into (JSON structure, tensor leaves) and back.
+
+No pickle anywhere: the structure is a schema-checked JSON document. Tensors are leaves
+referenced by index; they live in a host slot's flat byte buffer described by a `Layout`.
+Supported non-tensor values: None, bool, int, float (incl. nan/inf), str, list, tuple,
+dict (str/int/float/bool/None keys), NumPy arrays and scalars, torch.dtype, torch.device.
+Anything else fails at encode time with the path of the offending value.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+ALIGNMENT = 64
+
+_DTYPES: Dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.complex64, torch.complex128,
+        torch.uint16, torch.uint32, torch.uint64,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}
+
+
+class StateEncodingError(TypeError):
+    """A value in the state cannot be captured safely (no pickle fallback exists)."""
+
+
+class StateSchemaError(ValueError):
+    """A stored or received structure does not match the schema; it is never applied."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise StateEncodingError(f"tensor dtype {dtype} is not supported by GEMINI capture")
+    return name
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise StateSchemaError(f"unknown tensor dtype {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor leaf lives in a slot buffer."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The byte layout of every tensor leaf in a slot buffer. Equal layouts share buffers."""
+
+    specs: Tuple[TensorSpec, ...]
+    total_bytes: int
+
+    @staticmethod
+    def for_tensors(tensors: List[torch.Tensor]) -> "Layout":
+        specs = []
+        offset = 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            specs.append(TensorSpec(dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+            offset += (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        return Layout(tuple(specs), offset)
+
+    def to_json(self) -> dict:
+        return {"total_bytes": self.total_bytes, "tensors": [s.to_json() for s in self.specs]}
+
+    @staticmethod
+    def from_json(doc: object) -> "Layout":
+        if not isinstance(doc, dict) or set(doc) != {"total_bytes", "tensors"}:
+            raise StateSchemaError("layout must be an object with exactly 'total_bytes' and 'tensors'")
+        total = doc["total_bytes"]
+        if not _is_int(total) or total < 0:
+            raise StateSchemaError(f"layout.total_bytes must be a non-negative integer, got {total!r}")
+        if not isinstance(doc["tensors"], list):
+            raise StateSchemaError("layout.tensors must be a list")
+        specs = []
+        end = 0
+        for i, raw in enumerate(doc["tensors"]):
+            where = f"layout.tensors[{i}]"
+            if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "offset", "nbytes"}:
+                raise StateSchemaError(f"{where} must have exactly dtype, shape, offset, nbytes")
+            dtype = dtype_from_name(raw["dtype"])
+            shape = raw["shape"]
+            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+                raise StateSchemaError(f"{where}.shape must be a list of non-negative integers")
+            offset, nbytes = raw["offset"], raw["nbytes"]
+            if not (_is_int(offset) and _is_int(nbytes)) or offset < end or offset % ALIGNMENT:
+                raise StateSchemaError(f"{where}: offset {offset!r} overlaps or is misaligned")
+            numel = math.prod(shape)
+            if nbytes != numel * torch.empty((), dtype=dtype).element_size():
+                raise StateSchemaError(f"{where}: nbytes {nbytes!r} does not match shape {shape} and dtype")
+            end = offset + nbytes
+            if end > total:
+                raise StateSchemaError(f"{where}: extends past layout.total_bytes")
+            specs.append(TensorSpec(raw["dtype"], tuple(shape), offset, nbytes))
+        return Layout(tuple(specs), total)
+
+    def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """Typed views of each leaf inside a flat uint8 `buffer` (no copy)."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.total_bytes:
+            raise StateSchemaError(
+                f"buffer of {buffer.numel()} bytes cannot hold layout of {self.total_bytes} bytes")
+        out = []
+        for spec in self.specs:
+            dtype = _DTYPES[spec.dtype]
+            raw = buffer[spec.offset: spec.offset + spec.nbytes]
+            out.append(raw.view(dtype).view(spec.shape))
+        return out
+
+
+@dataclass(frozen=True)
+class EncodedState:
+    """A state dict split into a JSON-able structure and its tensor leaves (in order)."""
+
+    structure: Any
+    tensors: List[torch.Tensor]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _local_tensor(value: torch.Tensor) -> Tuple[torch.Tensor, Optional[dict]]:
+    """DTensors are captured as their local shard plus enough metadata to check the restore."""
+    to_local = getattr(value, "to_local", None)
+    if to_local is not None and type(value).__name__ == "DTensor":
+        return to_local(), {"global_shape": list(value.shape),
+                            "placements": [str(p) for p in value.placements]}
+    return value, None
+
+
+def encode_state(state: Any) -> EncodedState:
+    tensors: List[torch.Tensor] = []
+
+    def enc(value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if _is_int(value):
+            return value
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            return {"t": "float", "v": repr(value)}
+        if isinstance(value, torch.Tensor):
+            if value.is_sparse or value.layout != torch.strided and type(value).__name__ != "DTensor":
+                raise StateEncodingError(f"{path}: only dense tensors can be captured (got {value.layout})")
+            local, dt = _local_tensor(value)
+            dtype_name(local.dtype)
+            tensors.append(local.detach())
+            node = {"t": "tensor", "i": len(tensors) - 1}
+            if dt is not None:
+                node["dtensor"] = dt
+            return node
+        if isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                if not (key is None or isinstance(key, (str, bool, float)) or _is_int(key)):
+                    raise StateEncodingError(f"{path}: dict key {key!r} of type {type(key).__name__} "
+                                             "is not supported (use str or int keys)")
+                items.append([enc(key, f"{path}.<key>"), enc(item, f"{path}[{key!r}]")])
+            return {"t": "dict", "items": items}
+        if isinstance(value, (list, tuple)):
+            tag = "list" if isinstance(value, list) else "tuple"
+            return {"t": tag, "items": [enc(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, torch.dtype):
+            return {"t": "dtype", "v": dtype_name(value)}
+        if isinstance(value, torch.device):
+            return {"t": "device", "v": str(value)}
+        numpy_node = _encode_numpy(value)
+        if numpy_node is not None:
+            return numpy_node
+        raise StateEncodingError(
+            f"{path}: value of type {type(value).__module__}.{type(value).__qualname__} cannot be captured "
+            "without pickle. Convert it to plain Python/NumPy/tensor values in your state_dict or "
+            "extra_state_fn.")
+
+    return EncodedState(enc(state, "state"), tensors)
+
+
+def _encode_numpy(value: Any) -> Optional[dict]:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise StateEncodingError("NumPy object arrays cannot be captured without pickle")
+        data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode("ascii")
+        return {"t": "ndarray", "dtype": value.dtype.str, "shape": list(value.shape), "b64": data}
+    if isinstance(value, np.generic):
+        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value))}
+    return None
+
+
+def decode_state(structure: Any, tensors: List[torch.Tensor]) -> Any:
+    """Rebuild the nested state. Every tensor leaf must be referenced exactly once."""
+    used = [False] * len(tensors)
+
+    def dec(node: Any, path: str) -> Any:
+        if node is None or isinstance(node, (bool, str, float)) or _is_int(node):
+            return node
+        if not isinstance(node, dict) or "t" not in node:
+            raise StateSchemaError(f"{path}: expected a tagged object, got {type(node).__name__}")
+        tag = node["t"]
+        if tag == "tensor":
+            index = node.get("i")
+            if not _is_int(index) or not 0 <= index < len(tensors) or used[index]:
+                raise StateSchemaError(f"{path}: bad or repeated tensor index {index!r}")
+            used[index] = True
+            return tensors[index]
+        if tag in ("list", "tuple"):
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise StateSchemaError(f"{path}: {tag} items must be a list")
+            values = [dec(v, f"{path}[{i}]") for i, v in enumerate(items)]
+            return values if tag == "list" else tuple(values)
+        if tag == "dict":
+            items = node.get("items")
+            if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+                raise StateSchemaError(f"{path}: dict items must be [key, value] pairs")
+            out = {}
+            for key_node, value_node in items:
+                key = dec(key_node, f"{path}.<key>")
+                if isinstance(key, (list, dict, tuple, torch.Tensor)):
+                    raise StateSchemaError(f"{path}: dict key must be a scalar")
+                out[key] = dec(value_node, f"{path}[{key!r}]")
+            return out
+        if tag == "float":
+            if node.get("v") not in ("nan", "inf", "-inf"):
+                raise StateSchemaError(f"{path}: bad special float {node.get('v')!r}")
+            return float(node["v"])
+        if tag == "dtype":
+            return dtype_from_name(node.get("v"))
+        if tag == "device":
+            try:
+                return torch.device(node.get("v"))
+            except (RuntimeError, TypeError) as exc:
+                raise StateSchemaError(f"{path}: bad device {node.get('v')!r}") from exc
+        if tag in ("ndarray", "npscalar"):
+            return _decode_numpy(node, path)
+        raise StateSchemaError(f"{path}: unknown type tag {tag!r}")
+
+    state = dec(structure, "state")
+    if not all(used):
+        raise StateSchemaError(f"{used.count(False)} tensor leaves are not referenced by the structure")
+    return state
+
+
+def _decode_numpy(node: dict, path: str) -> Any:
+    import numpy as np
+
+    if node["t"] == "npscalar":
+        inner = node.get("v")
+        if not isinstance(inner, dict) or inner.get("t") != "ndarray":
+            raise StateSchemaError(f"{path}: numpy scalar must wrap an ndarray node")
+        return _decode_numpy(inner, path)[()]
+    try:
+        dtype = np.dtype(node["dtype"])
+        shape = tuple(node["shape"])
+        raw = base64.b64decode(node["b64"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StateSchemaError(f"{path}: malformed ndarray node ({exc})") from exc
+    if dtype.hasobject or not all(_is_int(d) and d >= 0 for d in shape):
+        raise StateSchemaError(f"{path}: ndarray dtype/shape not allowed")
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise StateSchemaError(f"{path}: ndarray byte count does not match its shape")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
