@@ -1,0 +1,430 @@
+"""InMemoryCheckpointManager: capture -> peer replication -> node-local flush -> recovery.
+
+Threads: the training thread only encodes the state and launches copies. A capture worker
+finishes the copy and publishes the own slot, a replication worker exchanges it with the
+peer, and a flush worker writes completed slots to node-local disk. Failures in any of
+them are raised at the next `maybe_wait()` or `save()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency import wire
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.gemini.codec import Layout, decode_state, encode_state
+from lm_resiliency.gemini.device import launch_copy
+from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
+from lm_resiliency.gemini.replication import Pairing, PeerReplicator, resolve_jump
+from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
+from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
+from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
+from lm_resiliency.gemini.workers import BackgroundError, Worker
+
+logger = logging.getLogger(__name__)
+
+_KEEP_GENERATIONS = 2
+
+
+class RecoveryUnavailable(RuntimeError):
+    """A manager-selected step cannot be loaded on every rank (fails closed)."""
+
+
+class InMemoryCheckpointManager:
+    """Low-level GEMINI engine (unstable API; most users want `enable_resiliency`).
+
+    Collective: construct, `find_latest()` and `load()` on every rank of the job together.
+    `topology` is an adapter-provided JSON description of this rank's place in the
+    parallel layout; it becomes part of the job-wide fingerprint that shards are bound to.
+    `replicate=False` keeps two own slots only (HSDP replicas already hold the state).
+    """
+
+    def __init__(self, config: Optional[InMemoryCkptConfig] = None, *,
+                 topology: Optional[dict] = None, replicate: bool = True,
+                 allocator: Optional[Allocator] = None,
+                 install_signal_handlers: bool = True) -> None:
+        self.config = config if config is not None else InMemoryCkptConfig()
+        self._closed = False
+        self._group: Optional[dist.ProcessGroup] = None
+        self._previous_handlers: Dict[int, Any] = {}
+        self._workers: list = []
+        self._sources: Dict[str, Any] = {}
+        self._send_error: Optional[BaseException] = None
+        try:
+            self._setup(topology, replicate, allocator, install_signal_handlers)
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _setup(self, topology: Optional[dict], replicate: bool, allocator: Optional[Allocator],
+               install_signal_handlers: bool) -> None:
+        timeout = float(self.config.timeout_s)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        if self.world_size > 1:
+            # Dedicated gloo group: replication and agreement never queue behind training collectives.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.pairing: Optional[Pairing] = None
+        if replicate and self.world_size > 1:
+            jump = resolve_jump(self.config.replication_jump, self.world_size)
+            self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
+        self.run_id = resolve_run_id(self.config.run_id, self._group)
+        descriptor = {"rank": self.rank, "world_size": self.world_size,
+                      "jump": self.pairing.jump if self.pairing else 0, "topology": topology or {}}
+        self.topology = topology_fingerprint(descriptor, self._group)
+        self.store = NodeLocalStore(self.config.disk_folder, self.run_id, self.topology, self.rank,
+                                    verify_integrity=self.config.verify_integrity, timeout_s=timeout)
+        allocate = allocator or heap_allocator(self.config.pin_memory)
+        self._own = SlotPair("own", allocate, timeout)
+        self._peer = SlotPair("peer", allocate, timeout) if self.pairing else None
+        self._replicator = (PeerReplicator(self._group, self.rank, self.pairing,
+                                           self.config.replication_chunk_size, timeout)
+                            if self.pairing else None)
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+        self._last_flushed_step = 0
+        self._plan: Optional[RecoveryPlan] = None
+        self._capture_worker = Worker("capture")
+        self._replication_worker = Worker("replication")
+        self._flush_worker = Worker("flush")
+        self._workers = [self._capture_worker, self._replication_worker, self._flush_worker]
+        if install_signal_handlers:
+            self._install_signal_handlers()
+
+    # ----------------------------------------------------------------- capture
+
+    def save(self, state_dict: Any, step: int) -> None:
+        """Start capturing `state_dict` as `step`. Returns once copies are launched."""
+        self._check_usable()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"save(step=...): step must be a non-negative int, got {step!r}")
+        self.maybe_wait()
+        encoded = encode_state(state_dict)
+        layout = Layout.for_tensors(encoded.tensors)
+        target = self._own.begin_write(layout)
+        pending = launch_copy(layout.views(target.buffer), encoded.tensors)
+        self._capture_done.clear()
+        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure))
+
+    def maybe_wait(self) -> None:
+        """Block until the prior capture is complete and its replication launched."""
+        self._check_usable()
+        if not self._capture_done.wait(self.config.timeout_s):
+            raise TimeoutError(f"GEMINI capture did not complete within {self.config.timeout_s}s")
+        self._raise_background_error()
+
+    @property
+    def latest_step(self) -> int:
+        """Step of the newest complete own capture in memory, or -1."""
+        ready = self._own.ready_slots()
+        return ready[0].step if ready else -1
+
+    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any) -> None:
+        try:
+            pending.finish()
+            self._own.publish(target, step, structure, self.rank)
+            if self._replicator is not None:
+                self._own.acquire(target)
+                self._replication_worker.submit(lambda: self._replicate(target))
+            elif self._flush_due(step):
+                self._submit_flush(target, None)
+        finally:
+            self._capture_done.set()
+
+    def _replicate(self, source: HostSlot) -> None:
+        try:
+            slot, header = self._replicator.exchange(source, self._peer.begin_write)
+            if header["step"] != source.step:
+                raise RuntimeError(f"GEMINI replication: rank {header['owner_rank']} sent step "
+                                   f"{header['step']} while this rank captured {source.step}")
+            self._peer.publish(slot, header["step"], header["structure"], header["owner_rank"],
+                               header["extra"])
+            if self._flush_due(source.step):
+                self._submit_flush(source, slot)
+        finally:
+            self._own.release(source)
+
+    # ------------------------------------------------------------------ flush
+
+    def _flush_due(self, step: int) -> bool:
+        every = self.config.disk_flush_interval
+        return every > 0 and step // every > self._last_flushed_step // every
+
+    def _submit_flush(self, own: HostSlot, peer: Optional[HostSlot]) -> None:
+        self._last_flushed_step = own.step
+        self._own.acquire(own)
+        if peer is not None:
+            self._peer.acquire(peer)
+        self._flush_worker.submit(lambda: self._flush(own, peer))
+
+    def _flush(self, own: HostSlot, peer: Optional[HostSlot]) -> None:
+        try:
+            self._write_slot("own", own)
+            if peer is not None:
+                self._write_slot("peer", peer)
+            self._prune_and_publish_status(own.step)
+        finally:
+            self._own.release(own)
+            if peer is not None:
+                self._peer.release(peer)
+
+    def _write_slot(self, kind: str, slot: HostSlot) -> None:
+        key = ShardKey(kind, slot.owner_rank, slot.step)
+        self.store.write_shard(key, slot.layout, slot.structure, slot.payload(), extra=slot.extra)
+
+    def _prune_and_publish_status(self, step: int) -> None:
+        keys = self.store.list_shards()
+        keep = set()
+        for kind in ("own", "peer"):
+            keep.update([k for k in keys if k.kind == kind][:_KEEP_GENERATIONS])
+        self.store.prune(keep)
+        self.store.write_status({"latest_step": step,
+                                 "own_steps": sorted(k.step for k in keep if k.kind == "own")})
+
+    def flush_now(self) -> int:
+        """Synchronously write the newest complete own (and peer) slots; returns the step or -1.
+
+        Used by the SIGTERM/SIGINT handler and `flush_for_restart()`."""
+        if self._closed:
+            return -1
+        self._capture_done.wait(self.config.timeout_s)
+        own = self._own.ready_slots()
+        if not own:
+            return -1
+        slot = own[0]
+        self._own.acquire(slot)
+        try:
+            self._write_slot("own", slot)
+        finally:
+            self._own.release(slot)
+        if self._peer is not None:
+            peers = [p for p in self._peer.ready_slots() if p.step == slot.step]
+            if peers:
+                self._peer.acquire(peers[0])
+                try:
+                    self._write_slot("peer", peers[0])
+                finally:
+                    self._peer.release(peers[0])
+        self._prune_and_publish_status(slot.step)
+        return slot.step
+
+    # --------------------------------------------------------------- recovery
+
+    def find_latest(self, step: Optional[int] = None) -> Optional[int]:
+        """Collective: the newest step every rank can load (own memory, peer replica, node-local
+        disk), or None. With `step`, only that exact step is considered."""
+        self._check_usable()
+        self._drain()
+        self._release_sources()
+        report = self._local_availability()
+        while True:
+            reports = wire.all_gather_json(report, self._group)
+            holder_of = (lambda owner: self.pairing.holder_of(owner, self.world_size)) if self.pairing else None
+            plan = choose_plan(reports, holder_of, exact_step=step)
+            if plan is None:
+                self._plan = None
+                if step is not None:
+                    raise RecoveryUnavailable(
+                        f"GEMINI step {step} was selected for recovery but is not loadable on every "
+                        "rank (missing, corrupt or from another run/topology); refusing to load anything")
+                return None
+            failed = self._validate(plan)
+            verdicts = wire.all_gather_json(failed, self._group)
+            if not any(verdicts):
+                self._plan = plan
+                logger.info("GEMINI: rank %d recovers step %d from %s", self.rank, plan.step,
+                            "itself" if plan.sources[self.rank] == self.rank
+                            else f"rank {plan.sources[self.rank]}")
+                return plan.step
+            for kind, owner, bad_step in failed:
+                if kind == "own":
+                    report["own"] = [s for s in report["own"] if s != bad_step]
+                else:
+                    held = report["held"].get(str(owner), [])
+                    report["held"][str(owner)] = [s for s in held if s != bad_step]
+
+    def load(self) -> Optional[Any]:
+        """Collective: the state selected by `find_latest()` (tensors owned by the caller), or None
+        when nothing was found, so the caller's fallback runs."""
+        self._check_usable()
+        plan = self._plan
+        if plan is None:
+            return None
+        try:
+            sender = threading.Thread(target=self._send_replicas, args=(plan,), daemon=True)
+            sender.start()
+            holder = plan.sources[self.rank]
+            if holder == self.rank:
+                layout, structure, tensors = self._own_source()
+            else:
+                layout, structure, tensors = self._receive_replica(holder)
+            sender.join(self.config.timeout_s)
+            if sender.is_alive():
+                raise TimeoutError("GEMINI recovery: sending replicas did not finish in time")
+            if self._send_error is not None:
+                error, self._send_error = self._send_error, None
+                raise error
+            return decode_state(structure, tensors)
+        finally:
+            self._release_sources()
+            self._plan = None
+
+    def _local_availability(self) -> dict:
+        own = {s.step for s in self._own.ready_slots()}
+        held: Dict[int, set] = {}
+        if self._peer is not None:
+            for slot in self._peer.ready_slots():
+                held.setdefault(slot.owner_rank, set()).add(slot.step)
+        for key in self.store.list_shards():
+            if key.kind == "own":
+                own.add(key.step)
+            else:
+                held.setdefault(key.owner_rank, set()).add(key.step)
+        return availability_report(own, held)
+
+    def _validate(self, plan: RecoveryPlan) -> list:
+        """Load-check everything this rank must provide for `plan`; returns failed items."""
+        failed = []
+        needs = []
+        if plan.sources[self.rank] == self.rank:
+            needs.append(("own", self.rank))
+        needs += [("held", owner) for holder, owner in plan.transfers() if holder == self.rank]
+        for kind, owner in needs:
+            pair = self._own if kind == "own" else self._peer
+            slots = [s for s in pair.ready_slots() if s.step == plan.step and s.owner_rank == owner] \
+                if pair is not None else []
+            if slots:
+                pair.acquire(slots[0])
+                self._sources[f"{kind}:{owner}"] = (pair, slots[0])
+                continue
+            key = ShardKey("own" if kind == "own" else "peer", owner, plan.step)
+            try:
+                self._sources[f"{kind}:{owner}"] = self.store.read_shard(key)
+            except ShardRejected as exc:
+                logger.warning("GEMINI: skipping step %d for rank %d: %s", plan.step, owner, exc)
+                failed.append([kind, owner, plan.step])
+        return failed
+
+    def _source_parts(self, name: str) -> tuple:
+        source = self._sources[name]
+        if isinstance(source, Shard):
+            return source.layout, source.structure, source.payload
+        _, slot = source
+        return slot.layout, slot.structure, slot.payload()
+
+    def _own_source(self) -> tuple:
+        name = f"own:{self.rank}"
+        layout, structure, payload = self._source_parts(name)
+        if not isinstance(self._sources[name], Shard):
+            # A memory slot is reused by the next capture; the caller gets its own copy.
+            payload = payload.clone()
+        return layout, structure, layout.views(payload)
+
+    def _send_replicas(self, plan: RecoveryPlan) -> None:
+        try:
+            for holder, owner in plan.transfers():
+                if holder != self.rank:
+                    continue
+                layout, structure, payload = self._source_parts(f"held:{owner}")
+                wire.send_json({"layout": layout.to_json(), "structure": structure}, owner, self._group,
+                               self.config.timeout_s)
+                wire.wait(dist.isend(payload, owner, group=self._group), self.config.timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            self._send_error = exc
+
+    def _receive_replica(self, holder: int) -> tuple:
+        header = wire.recv_json(holder, self._group, self.config.timeout_s)
+        layout = Layout.from_json(header["layout"])
+        payload = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        wire.wait(dist.irecv(payload, holder, group=self._group), self.config.timeout_s)
+        return layout, header["structure"], layout.views(payload)
+
+    def _release_sources(self) -> None:
+        for source in self._sources.values():
+            if not isinstance(source, Shard):
+                pair, slot = source
+                pair.release(slot)
+        self._sources = {}
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _drain(self) -> None:
+        self.maybe_wait()
+        for worker in self._workers:
+            if not worker.wait_idle(self.config.timeout_s):
+                raise TimeoutError(f"GEMINI {worker.name} worker did not finish within {self.config.timeout_s}s")
+        self._raise_background_error()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("InMemoryCheckpointManager is closed")
+
+    def _raise_background_error(self) -> None:
+        for worker in self._workers:
+            if worker.error is not None:
+                error, worker.error = worker.error, None
+                raise BackgroundError(f"GEMINI background {worker.name} failed: {error}") from error
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("GEMINI: not on the main thread; SIGTERM/SIGINT flush is not installed")
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        try:
+            step = self.flush_now()
+            logger.warning("GEMINI: signal %d: flushed step %d to %s", signum, step, self.store.directory)
+        except Exception:  # noqa: BLE001 - the previous handler must still run
+            logger.exception("GEMINI: flush on signal %d failed", signum)
+        previous = self._previous_handlers.get(signum, signal.SIG_DFL)
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def close(self) -> None:
+        """Finish background work (bounded), release the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for signum, previous in self._previous_handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, previous)
+        self._previous_handlers = {}
+        for worker in self._workers:
+            if not worker.stop(self.config.timeout_s):
+                logger.error("GEMINI %s worker did not stop within %ss", worker.name, self.config.timeout_s)
+        self._release_sources()
+        if self._group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self._group)
+            except (RuntimeError, ValueError) as exc:
+                logger.debug("GEMINI: replication group already gone: %s", exc)
+        self._group = None
+
+    def __enter__(self) -> "InMemoryCheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_at_exit(ref: "weakref.ReferenceType") -> None:
+    manager = ref()
+    if manager is not None:
+        manager.close()

@@ -1,0 +1,683 @@
+"""Node-local persistence tier of GEMINI (checkpoint format version 3).
+
+One `NodeLocalStore` per rank owns the directory ``<root>/<namespace>/rank-<rank>/``, where the
+namespace is an opaque hash of the run id and the job-wide topology fingerprint. It holds:
+
+- shard files ``own-<step>.gemini`` (this rank's state) and ``peer-<owner>-<step>.gemini``
+  (the replica a peer sent us), each a ``torch.save`` of exactly
+  ``{"format_version": 3, "metadata": <JSON text>, "payload": <1-D uint8 tensor>}``;
+- ``status.json``, this rank's trust sidecar (only this rank ever writes it).
+
+What it guarantees:
+
+- A file becomes visible only by same-directory ``os.replace`` of a fully written and fsynced
+  temporary file, followed by an fsync of the directory. A writer killed mid-write leaves only a
+  temporary file; the next write of the same shard (or sidecar) removes it when it was left by a
+  dead process of the same boot and PID namespace. Temporary files from another host or PID
+  namespace are never removed, because a local PID check says nothing about them.
+- Reading never unpickles arbitrary objects (``torch.load(weights_only=True)``), never follows a
+  symlink, refuses files owned by another user, and validates format version, JSON metadata
+  schema, run id, topology, owner rank, step, holder rank, layout, payload size and (with
+  ``verify_integrity``) the CRC-32 before returning anything. Every failure is `ShardRejected`.
+- Caller metadata (structure, extra, status) must be plain JSON (dict with str keys, list, str,
+  finite float, int, bool, None); anything else fails the write, never the read, so what is read
+  back is exactly what was written.
+
+What it does not do: interpret the structure (the manager does), or prove who produced the
+bytes. CRC-32 detects accidental corruption only.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import secrets
+import socket
+import stat
+import time
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, List, Optional, Set
+
+import torch
+
+from .codec import Layout, StateSchemaError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 3
+
+SHARD_SUFFIX = ".gemini"
+STATUS_FILE = "status.json"
+# Bound on how long `read_status` keeps retrying decode failures, whatever `timeout_s` says.
+STATUS_RETRY_CAP_S = 5.0
+STATUS_RETRY_SLEEP_S = 0.05
+
+_KINDS = ("own", "peer")
+_METADATA_KEYS = frozenset({"format_version", "run_id", "topology", "owner_rank", "holder_rank",
+                            "kind", "step", "layout", "structure", "extra", "crc32"})
+_TOP_KEYS = frozenset({"format_version", "metadata", "payload"})
+_STATUS_KEYS = frozenset({"format_version", "run_id", "topology", "rank", "status"})
+
+_OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
+_PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")
+_TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
+
+_LEGACY_HINT = ("legacy or unknown GEMINI node-local formats are not loadable by this release; "
+                "resume from the framework's durable checkpoint")
+
+
+class ShardRejected(Exception):
+    """A shard file exists (or was asked for) but must not be used. The message names the file."""
+
+
+class StatusRejected(Exception):
+    """A status sidecar is persistently malformed or belongs to another run, topology or rank."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardKey:
+    """Names one shard: whose state (`owner_rank`), at which `step`, own copy or peer replica."""
+
+    kind: str
+    owner_rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"ShardKey.kind must be 'own' or 'peer', got {self.kind!r}")
+        if not _is_int(self.owner_rank) or self.owner_rank < 0:
+            raise ValueError(f"ShardKey.owner_rank must be a non-negative int, got {self.owner_rank!r}")
+        if not _is_int(self.step) or self.step < 0:
+            raise ValueError(f"ShardKey.step must be a non-negative int, got {self.step!r}")
+
+    @property
+    def file_name(self) -> str:
+        if self.kind == "own":
+            return f"own-{self.step:012d}{SHARD_SUFFIX}"
+        return f"peer-{self.owner_rank:05d}-{self.step:012d}{SHARD_SUFFIX}"
+
+
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """A validated shard as read back from disk."""
+
+    key: ShardKey
+    holder_rank: int
+    layout: Layout
+    structure: Any
+    payload: torch.Tensor
+    extra: dict
+
+
+def run_namespace(run_id: str, topology: str) -> str:
+    """Opaque directory name binding files to one run id and one topology fingerprint."""
+    digest = hashlib.sha256(f"{run_id}\0{topology}".encode("utf-8")).hexdigest()
+    return "gemini-" + digest[:24]
+
+
+@lru_cache(maxsize=1)
+def temp_scope() -> str:
+    """Who may reap a temporary file by PID check: same boot and same PID namespace.
+
+    A short hex hash of the kernel boot id and the PID-namespace inode. Where /proc is missing
+    it falls back to the host name (weaker: containers sharing a host name share a scope).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "r", encoding="ascii") as f:
+            boot_id = f.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        source = f"boot\0{boot_id}\0{pid_ns}"
+    except OSError:
+        source = f"host\0{socket.gethostname()}"
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process we could have been; never reap on its account
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Plain JSON only, so that what is read back equals what was written."""
+    if value is None or isinstance(value, (str, bool)) or _is_int(value):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TypeError(f"{where}: non-finite float {value!r} cannot be stored in GEMINI metadata")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: dict key {key!r} of type {type(key).__name__} is not a str; "
+                                "GEMINI metadata must be plain JSON")
+            _check_json(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"{where}: value of type {type(value).__module__}.{type(value).__qualname__} is not "
+                    "plain JSON (dict with str keys, list, str, int, finite float, bool, None); "
+                    "GEMINI never falls back to pickle")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate JSON key {key!r}")
+        out[key] = value
+    return out
+
+
+def _loads_strict(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+        logger.debug("directory fsync not supported on %s (%s)", directory, exc)
+    finally:
+        os.close(fd)
+
+
+def _summarize(exc: BaseException) -> str:
+    text = str(exc)
+    for line in text.splitlines():
+        if "WeightsUnpickler error" in line or "Unsupported global" in line:
+            return line.strip()
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
+
+
+class NodeLocalStore:
+    """One rank's node-local shard files and trust sidecar for one run and topology."""
+
+    def __init__(self, root: str, run_id: str, topology: str, rank: int, *,
+                 verify_integrity: bool, timeout_s: float = 30.0) -> None:
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise ValueError(f"NodeLocalStore: root must be a non-empty path, got {root!r}")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"NodeLocalStore: run_id must be a non-empty str, got {run_id!r}")
+        if not isinstance(topology, str) or not topology:
+            raise ValueError(f"NodeLocalStore: topology must be a non-empty str, got {topology!r}")
+        if not _is_int(rank) or rank < 0:
+            raise ValueError(f"NodeLocalStore: rank must be a non-negative int, got {rank!r}")
+        if not isinstance(verify_integrity, bool):
+            raise ValueError(f"NodeLocalStore: verify_integrity must be a bool, got {verify_integrity!r}")
+        if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                or not math.isfinite(timeout_s) or timeout_s <= 0):
+            raise ValueError(f"NodeLocalStore: timeout_s must be a positive number, got {timeout_s!r}")
+        self._root = os.path.abspath(os.fspath(root))
+        self._run_id = run_id
+        self._topology = topology
+        self._rank = rank
+        self._verify = verify_integrity
+        self._timeout_s = float(timeout_s)
+        self._uid = os.geteuid()
+        namespace_dir = os.path.join(self._root, run_namespace(run_id, topology))
+        self._dir = os.path.join(namespace_dir, f"rank-{rank:05d}")
+        try:
+            os.makedirs(self._root, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create GEMINI node-local root: {exc.strerror}",
+                          self._root) from exc
+        self._make_private_dir(namespace_dir)
+        self._make_private_dir(self._dir)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def directory(self) -> str:
+        """This rank's directory (``<root>/<namespace>/rank-<rank>``)."""
+        return self._dir
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def verify_integrity(self) -> bool:
+        return self._verify
+
+    # ------------------------------------------------------------------ shards
+
+    def write_shard(self, key: ShardKey, layout: Layout, structure: Any, payload: torch.Tensor,
+                    extra: Optional[dict] = None) -> str:
+        """Publish one shard atomically; returns its path. Replaces an existing shard of that key.
+
+        Raises TypeError if `structure` or `extra` is not plain JSON, ValueError for a payload
+        that does not match `layout`, OSError (with the path) for I/O failures.
+        """
+        if not isinstance(key, ShardKey):
+            raise TypeError(f"write_shard: key must be a ShardKey, got {type(key).__name__}")
+        if key.kind == "own" and key.owner_rank != self._rank:
+            raise ValueError(f"write_shard: an 'own' shard of store rank {self._rank} cannot have "
+                             f"owner_rank {key.owner_rank}")
+        if not isinstance(layout, Layout):
+            raise TypeError(f"write_shard: layout must be a Layout, got {type(layout).__name__}")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise TypeError(f"write_shard: extra must be a dict, got {type(extra).__name__}")
+        _check_json(structure, "structure")
+        _check_json(extra, "extra")
+        payload = self._checked_payload(payload, layout)
+        crc = zlib.crc32(memoryview(payload.numpy())) if self._verify else None
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "run_id": self._run_id,
+            "topology": self._topology,
+            "owner_rank": key.owner_rank,
+            "holder_rank": self._rank,
+            "kind": key.kind,
+            "step": key.step,
+            "layout": layout.to_json(),
+            "structure": structure,
+            "extra": extra,
+            "crc32": crc,
+        }
+        try:
+            metadata = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"write_shard {key}: metadata is not plain JSON: {exc}") from exc
+        obj = {"format_version": FORMAT_VERSION, "metadata": metadata, "payload": payload}
+        final = os.path.join(self._dir, key.file_name)
+        self._publish(key.file_name, lambda f: torch.save(obj, f))
+        logger.debug("published GEMINI shard %s (%d payload bytes, crc32=%s)", final,
+                     payload.numel(), crc)
+        return final
+
+    def list_shards(self) -> List[ShardKey]:
+        """Published shard names in this rank's directory, newest step first. No validation."""
+        keys = []
+        for name in self._listdir():
+            key = self._parse_name(name)
+            if key is not None:
+                keys.append(key)
+        keys.sort(key=lambda k: (-k.step, k.kind != "own", k.owner_rank))
+        return keys
+
+    def read_shard(self, key: ShardKey) -> Shard:
+        """Load and fully validate one shard; raises ShardRejected for any problem."""
+        if not isinstance(key, ShardKey):
+            raise TypeError(f"read_shard: key must be a ShardKey, got {type(key).__name__}")
+        path = os.path.join(self._dir, key.file_name)
+        try:
+            return self._read_shard(key, path)
+        except ShardRejected as exc:
+            logger.warning("GEMINI shard rejected: %s", exc)
+            raise
+
+    def remove_shard(self, key: ShardKey) -> None:
+        """Delete one published shard (no error if it is already gone)."""
+        path = os.path.join(self._dir, key.file_name)
+        if self._unlink(path):
+            self._sync_dir()
+
+    def prune(self, keep: Set[ShardKey]) -> None:
+        """Delete every published shard whose key is not in `keep`."""
+        removed = False
+        for key in self.list_shards():
+            if key not in keep:
+                removed |= self._unlink(os.path.join(self._dir, key.file_name))
+        if removed:
+            self._sync_dir()
+
+    # ------------------------------------------------------------------ status sidecar
+
+    def write_status(self, status: dict) -> None:
+        """Publish this rank's trust sidecar atomically (replacing the previous one)."""
+        if not isinstance(status, dict):
+            raise TypeError(f"write_status: status must be a dict, got {type(status).__name__}")
+        _check_json(status, "status")
+        doc = {"format_version": FORMAT_VERSION, "run_id": self._run_id, "topology": self._topology,
+               "rank": self._rank, "status": status}
+        try:
+            data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"write_status: status is not plain JSON: {exc}") from exc
+        self._publish(STATUS_FILE, lambda f: f.write(data))
+        logger.debug("published GEMINI status sidecar %s", os.path.join(self._dir, STATUS_FILE))
+
+    def read_status(self) -> Optional[dict]:
+        """This rank's trust sidecar, or None if there is none.
+
+        Byte/UTF-8/JSON decode failures are retried for a bounded interval (a remote filesystem
+        client may briefly see a file being replaced); a persistently malformed file or any
+        identity/schema mismatch raises StatusRejected.
+        """
+        path = os.path.join(self._dir, STATUS_FILE)
+        deadline = time.monotonic() + min(self._timeout_s, STATUS_RETRY_CAP_S)
+        attempts = 0
+        while True:
+            attempts += 1
+            data = self._read_status_bytes(path)
+            if data is None:
+                return None
+            try:
+                doc = _loads_strict(data.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if time.monotonic() >= deadline:
+                    raise StatusRejected(f"{path}: status sidecar is malformed after {attempts} reads "
+                                         f"({exc}); refusing to trust it") from exc
+                time.sleep(STATUS_RETRY_SLEEP_S)
+                continue
+            except ValueError as exc:  # decodes, but is not strict JSON (NaN, duplicate keys)
+                raise StatusRejected(f"{path}: status sidecar is not strict JSON: {exc}") from exc
+            return self._checked_status(doc, path)
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_private_dir(self, path: str) -> None:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create GEMINI node-local directory: {exc.strerror}",
+                          path) from exc
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise PermissionError(errno.EPERM, "GEMINI node-local directory is a symbolic link; "
+                                  "refusing to follow it", path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "GEMINI node-local path is not a directory", path)
+        if st.st_uid != self._uid:
+            raise PermissionError(errno.EPERM, f"GEMINI node-local directory is owned by uid "
+                                  f"{st.st_uid}, not by this process (uid {self._uid})", path)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
+
+    def _listdir(self) -> List[str]:
+        try:
+            return os.listdir(self._dir)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot list GEMINI node-local directory: {exc.strerror}",
+                          self._dir) from exc
+
+    def _parse_name(self, name: str) -> Optional[ShardKey]:
+        match = _OWN_RE.fullmatch(name)
+        if match:
+            key = ShardKey("own", self._rank, int(match.group(1)))
+        else:
+            match = _PEER_RE.fullmatch(name)
+            if not match:
+                return None
+            key = ShardKey("peer", int(match.group(1)), int(match.group(2)))
+        return key if key.file_name == name else None  # canonical spelling only
+
+    @staticmethod
+    def _checked_payload(payload: Any, layout: Layout) -> torch.Tensor:
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"write_shard: payload must be a torch.Tensor, got {type(payload).__name__}")
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"write_shard: payload must be a 1-D uint8 tensor, got {payload.dtype} "
+                             f"with shape {tuple(payload.shape)}")
+        if payload.numel() != layout.total_bytes:
+            raise ValueError(f"write_shard: payload has {payload.numel()} bytes, layout needs exactly "
+                             f"{layout.total_bytes}")
+        if payload.device.type != "cpu":
+            raise ValueError(f"write_shard: payload must be in host memory, got device {payload.device}")
+        if (not payload.is_contiguous() or payload.storage_offset() != 0
+                or payload.untyped_storage().nbytes() != payload.numel()):
+            # torch.save writes a view's whole storage: copy so the file holds exactly the payload.
+            payload = payload.clone(memory_format=torch.contiguous_format)
+        return payload
+
+    def _temp_name(self, final_name: str) -> str:
+        return f".{final_name}.tmp-{temp_scope()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+    def _reap_temps(self, final_name: str) -> None:
+        """Remove temp files of `final_name` left by dead writers of our boot and PID namespace."""
+        scope = temp_scope()
+        for name in self._listdir():
+            match = _TEMP_RE.fullmatch(name)
+            if not match or match.group("final") != final_name or match.group("scope") != scope:
+                continue
+            pid = int(match.group("pid"))
+            if _pid_alive(pid):
+                continue
+            path = os.path.join(self._dir, name)
+            try:
+                os.unlink(path)
+                logger.info("removed temporary file %s left by terminated writer (pid %d)", path, pid)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("could not remove stale temporary file %s: %s", path, exc)
+
+    def _publish(self, final_name: str, write) -> None:
+        """Write via a same-directory temp file, fsync, rename onto `final_name`, fsync the dir."""
+        self._reap_temps(final_name)
+        final = os.path.join(self._dir, final_name)
+        temp = os.path.join(self._dir, self._temp_name(final_name))
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+        published = False
+        try:
+            fd = os.open(temp, flags, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                f = os.fdopen(fd, "wb")
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, final)
+            published = True
+            _fsync_dir(self._dir)
+        except OSError as exc:
+            where = final if published else temp
+            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}",
+                          where) from exc
+        except RuntimeError as exc:  # torch's zip writer reports write failures this way
+            raise OSError(errno.EIO, f"publishing GEMINI file failed: {exc}", temp) from exc
+        finally:
+            if not published:
+                try:
+                    os.unlink(temp)
+                except OSError:
+                    pass
+
+    def _unlink(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot remove GEMINI file: {exc.strerror}", path) from exc
+        logger.debug("removed GEMINI shard %s", path)
+        return True
+
+    def _sync_dir(self) -> None:
+        try:
+            _fsync_dir(self._dir)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot fsync GEMINI directory: {exc.strerror}", self._dir) from exc
+
+    def _open_owned(self, path: str, what: str, reject) -> Optional[int]:
+        """Open a regular file we own without following symlinks; None if it does not exist."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise reject(f"{path}: cannot stat {what}: {exc}") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise reject(f"{path}: {what} is a symbolic link; refusing to follow it")
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise reject(f"{path}: {what} is a symbolic link; refusing to follow it") from exc
+            raise reject(f"{path}: cannot open {what}: {exc}") from exc
+        st = os.fstat(fd)
+        reason = None
+        if not stat.S_ISREG(st.st_mode):
+            reason = f"{what} is not a regular file"
+        elif st.st_uid != self._uid:
+            reason = f"{what} is owned by uid {st.st_uid}, not by this process (uid {self._uid})"
+        if reason is not None:
+            os.close(fd)
+            raise reject(f"{path}: {reason}; refusing to load it")
+        return fd
+
+    def _read_shard(self, key: ShardKey, path: str) -> Shard:
+        def bad(reason: str) -> ShardRejected:
+            return ShardRejected(f"{path}: {reason}")
+
+        fd = self._open_owned(path, "shard", ShardRejected)
+        if fd is None:
+            raise bad("shard file is missing")
+        try:
+            with os.fdopen(fd, "rb") as f:
+                obj = torch.load(f, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as exc:
+            raise bad(f"weights-only load refused it (the file is not a GEMINI tensor file and is "
+                      f"never unpickled): {_summarize(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 - any loader failure means an unusable file
+            raise bad(f"not a readable torch file (truncated or corrupt): {_summarize(exc)}") from exc
+
+        if not isinstance(obj, dict):
+            raise bad(f"top level is a {type(obj).__name__}, not a GEMINI format {FORMAT_VERSION} "
+                      f"record; {_LEGACY_HINT}")
+        if "format_version" not in obj:
+            raise bad(f"no format_version (legacy GEMINI file); {_LEGACY_HINT}")
+        version = obj["format_version"]
+        if not _is_int(version) or version != FORMAT_VERSION:
+            raise bad(f"format_version {version!r} is not {FORMAT_VERSION}; {_LEGACY_HINT}")
+        if set(obj) != _TOP_KEYS:
+            raise bad(f"top-level keys {sorted(map(str, obj))} are not exactly {sorted(_TOP_KEYS)}")
+
+        metadata = obj["metadata"]
+        if not isinstance(metadata, str):
+            raise bad("metadata is not a JSON string")
+        try:
+            meta = _loads_strict(metadata)
+        except ValueError as exc:
+            raise bad(f"metadata is not valid JSON: {exc}") from exc
+        if not isinstance(meta, dict) or set(meta) != _METADATA_KEYS:
+            got = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            raise bad(f"metadata keys {got} are not exactly {sorted(_METADATA_KEYS)}")
+        if meta["format_version"] != FORMAT_VERSION or not _is_int(meta["format_version"]):
+            raise bad(f"metadata format_version {meta['format_version']!r} is not {FORMAT_VERSION}; "
+                      f"{_LEGACY_HINT}")
+        for field in ("run_id", "topology", "kind"):
+            if not isinstance(meta[field], str):
+                raise bad(f"metadata {field} is not a string")
+        for field in ("owner_rank", "holder_rank", "step"):
+            if not _is_int(meta[field]):
+                raise bad(f"metadata {field} is not an integer")
+        if meta["run_id"] != self._run_id:
+            raise bad(f"wrong run id (file {meta['run_id']!r}, expected {self._run_id!r})")
+        if meta["topology"] != self._topology:
+            raise bad(f"wrong topology (file {meta['topology']!r}, expected {self._topology!r})")
+        if meta["kind"] != key.kind:
+            raise bad(f"wrong kind (file {meta['kind']!r}, expected {key.kind!r})")
+        if meta["owner_rank"] != key.owner_rank:
+            raise bad(f"wrong owner rank (file {meta['owner_rank']}, expected {key.owner_rank})")
+        if meta["step"] != key.step:
+            raise bad(f"wrong step (file {meta['step']}, expected {key.step})")
+        if meta["holder_rank"] != self._rank:
+            raise bad(f"wrong holder rank (file {meta['holder_rank']}, expected {self._rank})")
+        if key.kind == "own" and meta["owner_rank"] != meta["holder_rank"]:
+            raise bad("an 'own' shard whose owner rank differs from its holder rank")
+        if not isinstance(meta["extra"], dict):
+            raise bad("metadata extra is not a JSON object")
+        crc = meta["crc32"]
+        if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
+            raise bad(f"metadata crc32 {crc!r} is not a 32-bit unsigned integer")
+        try:
+            layout = Layout.from_json(meta["layout"])
+        except StateSchemaError as exc:
+            raise bad(f"bad layout: {exc}") from exc
+
+        payload = obj["payload"]
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            desc = (f"{payload.dtype} tensor of shape {tuple(payload.shape)}"
+                    if isinstance(payload, torch.Tensor) else type(payload).__name__)
+            raise bad(f"payload must be a 1-D uint8 tensor, got {desc}")
+        if payload.numel() != layout.total_bytes:
+            raise bad(f"payload has {payload.numel()} bytes, layout says {layout.total_bytes}")
+        if not payload.is_contiguous():
+            payload = payload.contiguous()
+        if self._verify:
+            if crc is None:
+                raise bad("written without integrity checksum (verify_integrity=False); with "
+                          "verify_integrity=True only checksummed generations are eligible")
+            actual = zlib.crc32(memoryview(payload.numpy()))
+            if actual != crc:
+                raise bad(f"CRC-32 mismatch (stored {crc:#010x}, computed {actual:#010x}): "
+                          "stored bytes are corrupt")
+        return Shard(key=key, holder_rank=self._rank, layout=layout, structure=meta["structure"],
+                     payload=payload, extra=meta["extra"])
+
+    def _read_status_bytes(self, path: str) -> Optional[bytes]:
+        fd = self._open_owned(path, "status sidecar", StatusRejected)
+        if fd is None:
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot read GEMINI status sidecar: {exc.strerror}", path) from exc
+
+    def _checked_status(self, doc: Any, path: str) -> dict:
+        def bad(reason: str) -> StatusRejected:
+            return StatusRejected(f"{path}: {reason}; refusing to trust it")
+
+        if not isinstance(doc, dict) or set(doc) != _STATUS_KEYS:
+            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise bad(f"status sidecar keys {got} are not exactly {sorted(_STATUS_KEYS)}")
+        version = doc["format_version"]
+        if not _is_int(version) or version != FORMAT_VERSION:
+            raise bad(f"status format_version {version!r} is not {FORMAT_VERSION}")
+        if doc["run_id"] != self._run_id:
+            raise bad(f"wrong run id (file {doc['run_id']!r}, expected {self._run_id!r})")
+        if doc["topology"] != self._topology:
+            raise bad(f"wrong topology (file {doc['topology']!r}, expected {self._topology!r})")
+        if not _is_int(doc["rank"]) or doc["rank"] != self._rank:
+            raise bad(f"wrong rank (file {doc['rank']!r}, expected {self._rank})")
+        if not isinstance(doc["status"], dict):
+            raise bad("status is not a JSON object")
+        return doc["status"]
+
+
+__all__ = [
+    "FORMAT_VERSION", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
+    "run_namespace", "temp_scope",
+]

@@ -1,0 +1,70 @@
+"""JSON over torch.distributed: agreement messages never use pickle (no *_object collectives)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def encode_json(value: Any) -> torch.Tensor:
+    raw = json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_json(data: torch.Tensor) -> Any:
+    return json.loads(bytes(data.numpy().tobytes()).decode("utf-8"))
+
+
+def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+    """Every rank's JSON value, ordered by group rank. Single-process: `[value]`."""
+    if not dist.is_initialized():
+        return [json.loads(json.dumps(value, allow_nan=False))]
+    world = dist.get_world_size(group)
+    payload = encode_json(value)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [decode_json(g[: int(s.item())]) for g, s in zip(gathered, sizes)]
+
+
+def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """`value` from global rank `src` on every rank."""
+    if not dist.is_initialized():
+        return json.loads(json.dumps(value, allow_nan=False))
+    is_src = dist.get_rank() == src
+    payload = encode_json(value) if is_src else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buffer = payload if is_src else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=group)
+    return decode_json(buffer)
+
+
+def send_json(value: Any, dst: int, group: dist.ProcessGroup, timeout_s: float) -> None:
+    payload = encode_json(value)
+    wait(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=group), timeout_s)
+    wait(dist.isend(payload, dst, group=group), timeout_s)
+
+
+def recv_json(src: int, group: dist.ProcessGroup, timeout_s: float) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    wait(dist.irecv(size, src, group=group), timeout_s)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    wait(dist.irecv(buffer, src, group=group), timeout_s)
+    return decode_json(buffer)
+
+
+def wait(work: dist.Work, timeout_s: float) -> None:
+    """Wait for a p2p/collective handle, failing with a clear error after `timeout_s`."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(f"distributed operation did not complete within {timeout_s}s: {exc}") from exc
