@@ -162,7 +162,7 @@ def encode_state(state: Any) -> EncodedState:
                 return value
             return {"t": "float", "v": repr(value)}
         if isinstance(value, torch.Tensor):
-            if value.is_sparse or value.layout != torch.strided and type(value).__name__ != "DTensor":
+            if value.layout != torch.strided:
                 raise StateEncodingError(f"{path}: only dense tensors can be captured (got {value.layout})")
             local, dt = _local_tensor(value)
             dtype_name(local.dtype)

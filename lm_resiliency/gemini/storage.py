@@ -197,6 +197,13 @@ def _loads_strict(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 
 
+def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
+    """CRC-32 over the canonical metadata (everything but the CRC) and the payload bytes, so a
+    flipped byte in the structure or identity is caught as surely as one in a tensor."""
+    canonical = json.dumps(metadata, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    return zlib.crc32(memoryview(payload.numpy()), zlib.crc32(canonical.encode("utf-8")))
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -291,7 +298,6 @@ class NodeLocalStore:
         _check_json(structure, "structure")
         _check_json(extra, "extra")
         payload = self._checked_payload(payload, layout)
-        crc = zlib.crc32(memoryview(payload.numpy())) if self._verify else None
         doc = {
             "format_version": FORMAT_VERSION,
             "run_id": self._run_id,
@@ -303,8 +309,9 @@ class NodeLocalStore:
             "layout": layout.to_json(),
             "structure": structure,
             "extra": extra,
-            "crc32": crc,
         }
+        doc["crc32"] = _shard_crc(doc, payload) if self._verify else None
+        crc = doc["crc32"]
         try:
             metadata = json.dumps(doc, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
@@ -639,7 +646,7 @@ class NodeLocalStore:
             if crc is None:
                 raise bad("written without integrity checksum (verify_integrity=False); with "
                           "verify_integrity=True only checksummed generations are eligible")
-            actual = zlib.crc32(memoryview(payload.numpy()))
+            actual = _shard_crc({k: v for k, v in meta.items() if k != "crc32"}, payload)
             if actual != crc:
                 raise bad(f"CRC-32 mismatch (stored {crc:#010x}, computed {actual:#010x}): "
                           "stored bytes are corrupt")

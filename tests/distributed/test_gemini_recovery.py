@@ -111,3 +111,58 @@ def test_exact_step_is_loaded_or_fails_closed(tmp_path):
     run_ranks(_train_and_exit, 4, str(tmp_path), 6, {}, timeout=120)
     assert run_ranks(_exact_step, 4, str(tmp_path), 4) == [4, 4, 4, 4]
     assert all(r.startswith("unavailable: GEMINI step 2 ") for r in run_ranks(_exact_step, 4, str(tmp_path), 2))
+
+
+def _corrupt_and_recover(rank, world, folder, victims):
+    """Flip one payload byte in the named (kind, owner) shards of step 6, then recover."""
+    for name in os.listdir(folder):
+        rank_dir = os.path.join(folder, name, f"rank-{rank:05d}")
+        for f in sorted(os.listdir(rank_dir)):
+            own = f == "own-000000000006.gemini" and ("own", rank) in victims
+            peer = f.startswith("peer-") and f.endswith("-000000000006.gemini") and \
+                ("peer", int(f.split("-")[1])) in victims
+            if own or peer:
+                path = os.path.join(rank_dir, f)
+                data = bytearray(open(path, "rb").read())
+                data[len(data) // 2] ^= 0x01  # inside the payload: it dominates the file
+                open(path, "wb").write(bytes(data))
+    return _recover_fresh(rank, world, folder, {"verify_integrity": True})
+
+
+def test_flipped_byte_generation_is_never_loaded(tmp_path):
+    expected = run_ranks(_train_and_exit, 4, str(tmp_path), 6, {"verify_integrity": True}, timeout=120)
+    # rank 1's own copy of step 6 is corrupt: its intact replica (held by rank 3) is used instead.
+    recovered = run_ranks(_corrupt_and_recover, 4, str(tmp_path), {("own", 1)}, timeout=120)
+    assert [r[0] for r in recovered] == [6, 6, 6, 6]
+    assert_same(recovered[1][1], expected[1][1])
+
+
+def test_corrupt_copy_and_replica_fall_back_to_older_step(tmp_path):
+    run_ranks(_train_and_exit, 4, str(tmp_path), 6, {"verify_integrity": True}, timeout=120)
+    recovered = run_ranks(_corrupt_and_recover, 4, str(tmp_path), {("own", 1), ("peer", 1)}, timeout=120)
+    assert [r[0] for r in recovered] == [4, 4, 4, 4]
+
+
+def _sigterm_after_capture(rank, world, folder):
+    import signal
+
+    manager, _, _, expected = train(rank, 4, _config(folder, disk_flush_interval=0), save_every=2)
+    with open(os.path.join(folder, f"expected-{rank}.pt"), "wb") as f:
+        import torch
+        torch.save(expected, f)
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise AssertionError("SIGTERM should have ended the process")
+
+
+def test_sigterm_flushes_and_next_start_recovers(tmp_path):
+    import signal
+
+    import torch
+
+    outcomes = run_ranks(_sigterm_after_capture, 4, str(tmp_path), timeout=120, check=False)
+    assert [o.killed_by for o in outcomes] == [signal.SIGTERM] * 4, [o.error for o in outcomes]
+    recovered = run_ranks(_recover_fresh, 4, str(tmp_path), {}, timeout=120)
+    for rank in range(4):
+        expected = torch.load(os.path.join(tmp_path, f"expected-{rank}.pt"), weights_only=False)
+        assert recovered[rank][0] == expected[0] == 4
+        assert_same(recovered[rank][1], expected[1])
