@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,5 +63,5 @@ class InMemoryCkptConfig:
         _require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
                  name, "run_id", f"must be None or a non-empty string, got {self.run_id!r}")
         _require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
-                 and self.timeout_s > 0, name, "timeout_s",
-                 f"must be a positive number of seconds, got {self.timeout_s!r}")
+                 and math.isfinite(self.timeout_s) and self.timeout_s > 0, name, "timeout_s",
+                 f"must be a positive, finite number of seconds, got {self.timeout_s!r}")

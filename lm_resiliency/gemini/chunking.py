@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 _MIB = 1024 * 1024
 
 
@@ -22,9 +24,11 @@ def estimate_chunk_size(
     for name, value in (("nic_bandwidth_gbps", nic_bandwidth_gbps),
                         ("layer_compute_ms", layer_compute_ms),
                         ("ag_time_ms", ag_time_ms)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                or value <= 0:
             raise ValueError(f"estimate_chunk_size: {name} must be a positive number, got {value!r}")
-    if not (isinstance(max_ag_delay_fraction, (int, float)) and 0 < max_ag_delay_fraction <= 1):
+    if not (isinstance(max_ag_delay_fraction, (int, float)) and not isinstance(max_ag_delay_fraction, bool)
+            and 0 < max_ag_delay_fraction <= 1):
         raise ValueError("estimate_chunk_size: max_ag_delay_fraction must be in (0, 1], "
                          f"got {max_ag_delay_fraction!r}")
     slack_ms = layer_compute_ms - ag_time_ms

@@ -153,6 +153,9 @@ def encode_state(state: Any) -> EncodedState:
     tensors: List[torch.Tensor] = []
 
     def enc(value: Any, path: str) -> Any:
+        numpy_node = _encode_numpy(value, path)
+        if numpy_node is not None:  # before float: numpy.float64 subclasses float
+            return numpy_node
         if value is None or isinstance(value, (bool, str)):
             return value
         if _is_int(value):
@@ -165,7 +168,7 @@ def encode_state(state: Any) -> EncodedState:
             if value.layout != torch.strided:
                 raise StateEncodingError(f"{path}: only dense tensors can be captured (got {value.layout})")
             local, dt = _local_tensor(value)
-            dtype_name(local.dtype)
+            _checked_dtype(local.dtype, path)
             tensors.append(local.detach())
             node = {"t": "tensor", "i": len(tensors) - 1}
             if dt is not None:
@@ -183,12 +186,9 @@ def encode_state(state: Any) -> EncodedState:
             tag = "list" if isinstance(value, list) else "tuple"
             return {"t": tag, "items": [enc(v, f"{path}[{i}]") for i, v in enumerate(value)]}
         if isinstance(value, torch.dtype):
-            return {"t": "dtype", "v": dtype_name(value)}
+            return {"t": "dtype", "v": _checked_dtype(value, path)}
         if isinstance(value, torch.device):
             return {"t": "device", "v": str(value)}
-        numpy_node = _encode_numpy(value)
-        if numpy_node is not None:
-            return numpy_node
         raise StateEncodingError(
             f"{path}: value of type {type(value).__module__}.{type(value).__qualname__} cannot be captured "
             "without pickle. Convert it to plain Python/NumPy/tensor values in your state_dict or "
@@ -197,18 +197,25 @@ def encode_state(state: Any) -> EncodedState:
     return EncodedState(enc(state, "state"), tensors)
 
 
-def _encode_numpy(value: Any) -> Optional[dict]:
+def _checked_dtype(dtype: torch.dtype, path: str) -> str:
+    try:
+        return dtype_name(dtype)
+    except StateEncodingError as exc:
+        raise StateEncodingError(f"{path}: {exc}") from None
+
+
+def _encode_numpy(value: Any, path: str) -> Optional[dict]:
     try:
         import numpy as np
     except ImportError:
         return None
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise StateEncodingError("NumPy object arrays cannot be captured without pickle")
+            raise StateEncodingError(f"{path}: NumPy object arrays cannot be captured without pickle")
         data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode("ascii")
         return {"t": "ndarray", "dtype": value.dtype.str, "shape": list(value.shape), "b64": data}
     if isinstance(value, np.generic):
-        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value))}
+        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value), path)}
     return None
 
 
@@ -241,8 +248,8 @@ def decode_state(structure: Any, tensors: List[torch.Tensor]) -> Any:
             out = {}
             for key_node, value_node in items:
                 key = dec(key_node, f"{path}.<key>")
-                if isinstance(key, (list, dict, tuple, torch.Tensor)):
-                    raise StateSchemaError(f"{path}: dict key must be a scalar")
+                if not (key is None or isinstance(key, (str, bool, float)) or _is_int(key)):
+                    raise StateSchemaError(f"{path}: dict key must be str, int, float, bool or None")
                 out[key] = dec(value_node, f"{path}[{key!r}]")
             return out
         if tag == "float":

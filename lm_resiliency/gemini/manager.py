@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
+import sys
 import threading
 import weakref
 from datetime import timedelta
@@ -59,6 +60,7 @@ class InMemoryCheckpointManager:
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
         self._send_error: Optional[BaseException] = None
+        self._previous_excepthook = sys.excepthook
         try:
             self._setup(topology, replicate, allocator, install_signal_handlers)
         except BaseException:
@@ -382,6 +384,19 @@ class InMemoryCheckpointManager:
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught_exception
+
+    def _on_uncaught_exception(self, exc_type, exc, tb) -> None:
+        """A rank dying of an exception (often: its peer crashed mid-collective) still leaves its
+        newest capture and the replica it holds on disk for the restart."""
+        try:
+            step = self.flush_now()
+            logger.warning("GEMINI: uncaught %s: flushed step %d to %s", exc_type.__name__, step,
+                           self.store.directory)
+        except Exception:  # noqa: BLE001 - the original exception must still be reported
+            logger.exception("GEMINI: flush on uncaught exception failed")
+        self._previous_excepthook(exc_type, exc, tb)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         try:
@@ -406,6 +421,8 @@ class InMemoryCheckpointManager:
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, previous)
         self._previous_handlers = {}
+        if sys.excepthook == self._on_uncaught_exception:
+            sys.excepthook = self._previous_excepthook
         for worker in self._workers:
             if not worker.stop(self.config.timeout_s):
                 logger.error("GEMINI %s worker did not stop within %ss", worker.name, self.config.timeout_s)

@@ -101,6 +101,8 @@ class SlotPair:
 
     def release(self, slot: HostSlot) -> None:
         with self._cond:
+            if slot.readers <= 0:
+                raise RuntimeError(f"GEMINI slot {slot.name} released more often than acquired")
             slot.readers -= 1
             self._cond.notify_all()
 

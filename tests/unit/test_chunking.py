@@ -73,23 +73,18 @@ def test_invalid_input_raises_value_error_naming_the_parameter(name, args):
         estimate_chunk_size(*args)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: chunking.py validates nic_bandwidth_gbps/layer_compute_ms "
-                   "with `value <= 0`, which NaN and inf pass; NaN then fails in int() with "
-                   "'cannot convert float NaN to integer' (no parameter name) and inf raises "
-                   "OverflowError (not ValueError)")
 @pytest.mark.parametrize("name, args", [
     ("nic_bandwidth_gbps", (math.nan, 9.4, 1.0, 0.05)),
     ("nic_bandwidth_gbps", (math.inf, 9.4, 1.0, 0.05)),
     ("layer_compute_ms", (400, math.nan, 1.0, 0.05)),
     ("layer_compute_ms", (400, math.inf, 1.0, 0.05)),
+    ("ag_time_ms", (400, 9.4, math.nan, 0.05)),
 ])
 def test_non_finite_input_raises_value_error_naming_the_parameter(name, args):
     with pytest.raises(ValueError, match=name):
         estimate_chunk_size(*args)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: chunking.py accepts max_ag_delay_fraction=True (bool is "
-                   "an int subclass) although the other three parameters reject bools")
 def test_bool_fraction_rejected():
     with pytest.raises(ValueError, match="max_ag_delay_fraction"):
         estimate_chunk_size(400, 9.4, 1.0, True)

@@ -1,6 +1,7 @@
 """InMemoryCkptConfig: the guide's defaults, field-named validation errors, immutability."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -58,7 +59,8 @@ BAD_VALUES = [
     ("disk_folder", ""),
     ("run_id", ""), ("run_id", "  "),
     ("enable", 1), ("verify_integrity", 1), ("skip_replication_if_hsdp", 1), ("pin_memory", 1),
-    ("timeout_s", 0),
+    ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", math.nan), ("timeout_s", True),
+    ("timeout_s", "300"), ("interval", "10"), ("disk_folder", None), ("run_id", 7),
 ]
 
 
@@ -68,6 +70,11 @@ def test_bad_value_raises_config_error_naming_the_field(field, value):
         InMemoryCkptConfig(**{field: value})
     assert isinstance(info.value, ValueError)
     assert f"InMemoryCkptConfig.{field}" in str(info.value)
+
+
+def test_infinite_timeout_rejected():
+    with pytest.raises(ConfigError, match="InMemoryCkptConfig.timeout_s"):
+        InMemoryCkptConfig(timeout_s=math.inf)
 
 
 def test_config_is_frozen():
