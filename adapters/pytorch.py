@@ -1,0 +1,202 @@
+"""Plain PyTorch adapter: single process, DDP, FSDP2 (1-D mesh) and HSDP (2-D mesh).
+
+Capture reads `model.state_dict()` (DDP: the wrapped module; FSDP2/HSDP: DTensors, whose
+local shards GEMINI stores) and `optimizer.state_dict()`. Restore copies the recovered
+tensors in place into the live model and rebuilds optimizer DTensors on the live
+parameters' mesh, so a fresh process never needs the original sharding call again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "device",
+                               "process_group"})
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed tensor support
+        return None
+    return DTensor
+
+
+def _is_dtensor(value: Any) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(value, cls)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose state_dict keys are the user's (DDP adds `module.`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def check_optimizer_owns_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must own every trainable parameter of `model` and nothing else."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    owned = [p for group in optimizer.param_groups for p in group["params"]]
+    owned_ids = {id(p) for p in owned}
+    missing = sorted(names[i] for i in trainable - owned_ids)
+    foreign = [p for p in owned if id(p) not in names]
+    if missing:
+        raise ValueError(f"the optimizer does not own these trainable parameters of the model: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}. Pass the optimizer that trains this model.")
+    if foreign:
+        shapes = [tuple(p.shape) for p in foreign[:8]]
+        raise ValueError(f"the optimizer owns {len(foreign)} parameter(s) that are not in the model "
+                         f"(shapes {shapes}). Pass the model these parameters belong to, or one "
+                         "optimizer per model.")
+
+
+class PyTorchAdapter(FrameworkAdapter):
+    framework = "pytorch"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 scheduler: Any = None, parallelism_info: Any = None,
+                 group: Optional[dist.ProcessGroup] = None, nccl_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None, process_group: Optional[dist.ProcessGroup] = None,
+                 skip_replication_if_hsdp: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"PyTorch adapter: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("PyTorch adapter: pass the model's torch.optim.Optimizer as the second argument, "
+                            f"got {type(optimizer).__name__}")
+        if (group is None) != (nccl_group is None):
+            raise ValueError("pass both group= and nccl_group= (SCOUT detection groups) or neither")
+        if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+            raise TypeError("scheduler= must have state_dict()/load_state_dict() (an LR scheduler)")
+        self.model = model
+        self.module = unwrap_model(model)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.parallelism_info = parallelism_info
+        self.group, self.nccl_group = group, nccl_group
+        self.device = device
+        self.process_group = process_group
+        self._skip_replication_if_hsdp = skip_replication_if_hsdp
+        self._handles: List[Any] = []
+        check_optimizer_owns_model(self.module, optimizer)
+
+    # --------------------------------------------------------------- topology
+
+    def _mesh(self):
+        for param in self.module.parameters():
+            if _is_dtensor(param):
+                return param.device_mesh
+        return None
+
+    def topology(self) -> Topology:
+        mesh = self._mesh()
+        info = self.parallelism_info
+        if info is not None:
+            replicate, shard = int(info.dp_replicate), int(info.dp_shard)
+            kind = "hsdp" if replicate > 1 and shard > 1 else ("fsdp2" if shard > 1 else "ddp")
+            descriptor = {"kind": kind, "dp_replicate": replicate, "dp_shard": shard}
+        elif mesh is not None:
+            shape = list(mesh.shape)
+            names = list(mesh.mesh_dim_names or [])
+            if mesh.ndim == 1:
+                kind, replicate, shard = "fsdp2", 1, shape[0]
+            elif mesh.ndim == 2:
+                kind, replicate, shard = "hsdp", shape[0], shape[1]
+            else:
+                raise ValueError(f"PyTorch adapter: a {mesh.ndim}-D device mesh {names or shape} is not a "
+                                 "standard FSDP2/HSDP layout; pass parallelism_info=<object with "
+                                 "dp_replicate and dp_shard>")
+            descriptor = {"kind": kind, "mesh_shape": shape, "mesh_dim_names": names,
+                          "coordinate": list(mesh.get_coordinate() or [])}
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            kind = "ddp" if isinstance(self.model, DistributedDataParallel) else (
+                "replicated" if distributed else "single")
+            replicate, shard = (dist.get_world_size() if distributed else 1), 1
+            descriptor = {"kind": kind}
+        natural_replicas = kind == "hsdp" and replicate > 1 and self._skip_replication_if_hsdp
+        descriptor.update({"dp_replicate": replicate, "dp_shard": shard})
+        return Topology(kind=kind, replicate=not natural_replicas, descriptor=descriptor)
+
+    # ------------------------------------------------------------------ state
+
+    def framework_state(self) -> Dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def deferred_state(self) -> Dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}
+
+    def load_framework_state(self, state: Dict[str, Any]) -> None:
+        self._load_model(state["model"])
+        self.optimizer.load_state_dict(self._rewrap_optimizer_state(state["optimizer"]))
+
+    def load_deferred_state(self, state: Dict[str, Any]) -> None:
+        if self.scheduler is not None:
+            if "scheduler" not in state:
+                raise ValueError("the recovered checkpoint has no scheduler state, but scheduler= was given")
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def _load_model(self, saved: Dict[str, torch.Tensor]) -> None:
+        live = self.module.state_dict()
+        if set(saved) != set(live):
+            missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+            raise ValueError(f"recovered model state does not match the model: missing {missing[:8]}, "
+                             f"unexpected {unexpected[:8]}")
+        with torch.no_grad():
+            for name, target in live.items():
+                local = target.to_local() if _is_dtensor(target) else target
+                value = saved[name]
+                if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
+                    raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live "
+                                     f"model has {tuple(local.shape)} {local.dtype} on this rank")
+                local.copy_(value)
+
+    def _rewrap_optimizer_state(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        """Optimizer state of DTensor parameters was stored as local shards: rebuild DTensors on the
+        live parameter's mesh and placements so the optimizer sees what it saved."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not any(_is_dtensor(p) for p in params):
+            return saved
+        DTensor = _dtensor_type()
+        state = {}
+        for index, per_param in saved["state"].items():
+            param = params[index]
+            rebuilt = {}
+            for key, value in per_param.items():
+                if _is_dtensor(param) and isinstance(value, torch.Tensor) and \
+                        tuple(value.shape) == tuple(param.to_local().shape) and value.dim() > 0:
+                    value = DTensor.from_local(value.to(param.to_local().device), param.device_mesh,
+                                               param.placements, run_check=False, shape=param.shape,
+                                               stride=param.stride())
+                rebuilt[key] = value
+            state[index] = rebuilt
+        return {"state": state, "param_groups": saved["param_groups"]}
+
+    # ------------------------------------------------------------------ hooks
+
+    def install(self, callbacks: StepCallbacks) -> None:
+        self._handles = [
+            self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: callbacks.before_optimizer_step()),
+            self.optimizer.register_step_post_hook(lambda opt, args, kwargs: callbacks.after_optimizer_step()),
+            self.model.register_forward_pre_hook(lambda module, args: callbacks.before_forward()),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def describe(self) -> str:
+        return f"pytorch/{self.topology().kind}"

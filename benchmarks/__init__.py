@@ -1,0 +1,1 @@
+"""Overhead and recovery benchmarks (run one with ``python -m benchmarks.<name>``)."""

@@ -1,0 +1,76 @@
+"""The contract between a framework adapter (`lm_resiliency.adapters.*`) and the session.
+
+An adapter knows where its framework keeps model, optimizer, scheduler and process groups.
+It never captures, replicates or recovers anything itself: it reports optimizer-step
+boundaries to the session and reads/writes framework state when the session asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+
+@dataclass
+class StepCallbacks:
+    """What the session wants to hear from the framework lifecycle."""
+
+    before_optimizer_step: Callable[[], None]
+    after_optimizer_step: Callable[[], None]
+    before_forward: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """An adapter's description of this rank's place in the parallel layout."""
+
+    kind: str                          # "single", "ddp", "fsdp2", "hsdp", ...
+    replicate: bool = True             # False: natural replicas make GEMINI peer copies redundant
+    descriptor: Dict[str, Any] = field(default_factory=dict)  # JSON, part of the topology fingerprint
+
+
+class FrameworkAdapter:
+    """Base class; see `lm_resiliency.adapters.pytorch` for the reference implementation."""
+
+    framework: str = ""
+
+    def topology(self) -> Topology:
+        raise NotImplementedError
+
+    def framework_state(self) -> Dict[str, Any]:
+        """Model, optimizer and other framework-owned state at an optimizer boundary."""
+        raise NotImplementedError
+
+    def deferred_state(self) -> Dict[str, Any]:
+        """Framework state that settles after the optimizer step (e.g. an LR scheduler that the
+        loop steps right after `optimizer.step()`); read just before the next forward."""
+        return {}
+
+    def load_framework_state(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def load_deferred_state(self, state: Dict[str, Any]) -> None:
+        """Restore what `deferred_state` returned."""
+
+    def install(self, callbacks: StepCallbacks) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove every hook installed by `install`. Idempotent."""
+
+    def describe(self) -> str:
+        return self.framework
+
+
+def check_extra_state(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Caller-owned state must not smuggle in model/optimizer state (the adapter owns those)."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra_state_fn must return a dict, got {type(extra).__name__}")
+    forbidden = sorted(k for k in extra if str(k).lower() in {"model", "optimizer", "optim", "model_state",
+                                                             "optimizer_state"})
+    if forbidden:
+        raise ValueError(f"extra_state_fn returned {forbidden}: model and optimizer state are captured by "
+                         "the framework adapter; return only caller-owned state (scheduler, sampler, ...)")
+    return extra

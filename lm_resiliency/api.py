@@ -1,0 +1,109 @@
+"""`enable_resiliency`: one call that attaches GEMINI (and SCOUT) to an existing training stack."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Dict, Optional
+
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.recovery import RecoveryMode
+from lm_resiliency.session import ResiliencySession
+
+
+class FrameworkName(str, enum.Enum):
+    PYTORCH = "pytorch"
+    TORCHTITAN = "torchtitan"
+    MEGATRON = "megatron"
+    DEEPSPEED = "deepspeed"
+
+
+_NOT_YET = {
+    FrameworkName.TORCHTITAN: "a TorchTitan Trainer",
+    FrameworkName.MEGATRON: "Megatron Core model chunks",
+    FrameworkName.DEEPSPEED: "a DeepSpeed engine",
+}
+
+
+def infer_framework(obj: Any) -> FrameworkName:
+    """Which framework `obj` belongs to; raises TypeError naming what was expected."""
+    import torch
+
+    module = type(obj).__module__ or ""
+    if module.startswith("deepspeed"):
+        return FrameworkName.DEEPSPEED
+    if module.startswith("torchtitan"):
+        return FrameworkName.TORCHTITAN
+    if isinstance(obj, (list, tuple)):
+        if obj and all(isinstance(m, torch.nn.Module) for m in obj):
+            return FrameworkName.MEGATRON
+        raise TypeError("enable_resiliency: a list/tuple first argument must hold Megatron model chunks "
+                        "(torch.nn.Module objects)")
+    if isinstance(obj, torch.nn.Module):
+        return FrameworkName.PYTORCH
+    raise TypeError(
+        f"enable_resiliency: cannot infer the framework from {type(obj).__module__}.{type(obj).__qualname__}; "
+        "expected a torch.nn.Module (PyTorch), a TorchTitan Trainer, Megatron model chunks (list) or a "
+        "DeepSpeed engine. Pass framework='pytorch'|'torchtitan'|'megatron'|'deepspeed' for custom wrappers.")
+
+
+def enable_resiliency(
+    model_or_trainer_or_engine: Any,
+    optimizer: Any = None,
+    *,
+    interval: Optional[int] = None,
+    checkpoint: Optional[InMemoryCkptConfig] = None,
+    replay: Any = None,
+    enable_checkpoint: bool = True,
+    enable_detection: bool = True,
+    extra_state_fn: Optional[Callable[[], Dict[str, Any]]] = None,
+    load_extra_state_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
+    load_fallback: Optional[Callable[[], Any]] = None,
+    recovery_mode: "RecoveryMode | str | None" = None,
+    orchestration: Any = None,
+    framework: "FrameworkName | str | None" = None,
+    **framework_options: Any,
+) -> ResiliencySession:
+    """Attach lm-resiliency to a training stack; call once on every rank, after the framework
+    objects exist and before the training loop. The newest recoverable state is loaded before
+    this returns; `session.step_count` is the resume point."""
+    selected = FrameworkName(framework) if framework is not None else infer_framework(model_or_trainer_or_engine)
+    if replay is not None:
+        raise TypeError("enable_resiliency(replay=...): SCOUT replay configuration is not available in this "
+                        "release; omit replay=")
+    if interval is not None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"enable_resiliency(interval=...): must be a positive int, got {interval!r}")
+    config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
+    if not isinstance(config, InMemoryCkptConfig):
+        raise TypeError(f"checkpoint= must be an InMemoryCkptConfig, got {type(config).__name__}")
+    if interval is not None:
+        config = dataclasses.replace(config, interval=interval)
+    mode = RecoveryMode(recovery_mode) if recovery_mode is not None else None
+    adapter = _build_adapter(selected, model_or_trainer_or_engine, optimizer, config, framework_options)
+    session = ResiliencySession(
+        adapter, checkpoint=config, enable_checkpoint=enable_checkpoint, enable_detection=enable_detection,
+        extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn, load_fallback=load_fallback,
+        recovery_mode=mode, orchestration=orchestration)
+    try:
+        session.recover()
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, config: InMemoryCkptConfig,
+                   options: Dict[str, Any]):
+    if framework in _NOT_YET:
+        raise TypeError(f"enable_resiliency: {_NOT_YET[framework]} was given, but the {framework.value} "
+                        "adapter is not available in this release; use the PyTorch objects it wraps")
+    from lm_resiliency.adapters.pytorch import SUPPORTED_OPTIONS, PyTorchAdapter
+
+    unsupported = sorted(set(options) - SUPPORTED_OPTIONS)
+    if unsupported:
+        raise TypeError(f"enable_resiliency: the pytorch adapter does not accept {unsupported}; "
+                        f"supported options: {sorted(SUPPORTED_OPTIONS)}")
+    if optimizer is None:
+        raise TypeError("enable_resiliency: the pytorch adapter needs the optimizer as the second argument")
+    return PyTorchAdapter(obj, optimizer, skip_replication_if_hsdp=config.skip_replication_if_hsdp, **options)

@@ -1,0 +1,1 @@
+"""Stable explicit framework entry points (`lm_resiliency.integrations.<framework>`)."""

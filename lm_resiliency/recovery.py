@@ -1,0 +1,91 @@
+"""Recovery trust: which checkpoint a restart may use after a given failure.
+
+| failure                                          | selected mode      |
+|--------------------------------------------------|--------------------|
+| accessible straggler                             | LATEST             |
+| hang/uncertain, all ranks accessible, clean sweep | LATEST             |
+| hang/uncertain with SDC, incomplete or no sweep   | RECOVERY_VERIFIED  |
+| SDC already detected                             | RECOVERY_VERIFIED  |
+| a required rank or machine inaccessible          | RECOVERY_VERIFIED  |
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+
+class RecoveryMode(str, enum.Enum):
+    LATEST = "latest"
+    RECOVERY_VERIFIED = "recovery_verified"
+
+
+class FailureClass(str, enum.Enum):
+    STRAGGLER = "straggler"
+    HANG = "hang"
+    UNCERTAIN = "uncertain"
+    SDC = "sdc"
+    DATALOADER_STALL = "dataloader_stall"
+    CHECKPOINT_IO_STALL = "checkpoint_io_stall"
+    INACCESSIBLE = "inaccessible"
+
+    @classmethod
+    def parse(cls, value: "str | FailureClass") -> "FailureClass":
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"unknown failure class {value!r}; expected one of {names}") from None
+
+
+class SweepOutcome(str, enum.Enum):
+    """Result of the full-catalog replay a hang or uncertain failure triggers."""
+
+    CLEAN = "clean"
+    SDC = "sdc"
+    INCOMPLETE = "incomplete"
+    NOT_RUN = "not_run"
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """A JSON-ready checkpoint decision handed to orchestration (see `to_json`)."""
+
+    failure: str
+    mode: str
+    source: Optional[str]
+    step: Optional[int]
+    durable_checkpoint_id: Optional[str]
+    topology: Optional[str]
+    available: bool
+    reason: str
+    ranks: tuple = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["ranks"] = list(self.ranks)
+        return doc
+
+
+RecoveryDecisionCallback = Callable[[RecoveryDecision], None]
+
+
+def select_mode(failure: "str | FailureClass", *, all_ranks_accessible: bool,
+                sweep: SweepOutcome = SweepOutcome.NOT_RUN) -> tuple:
+    """(RecoveryMode, reason) for a failure, following the table in this module's docstring."""
+    failure = FailureClass.parse(failure)
+    if failure is FailureClass.SDC:
+        return RecoveryMode.RECOVERY_VERIFIED, "silent data corruption was detected"
+    if not all_ranks_accessible or failure is FailureClass.INACCESSIBLE:
+        return RecoveryMode.RECOVERY_VERIFIED, "a required rank or machine is inaccessible"
+    if failure in (FailureClass.STRAGGLER, FailureClass.DATALOADER_STALL, FailureClass.CHECKPOINT_IO_STALL):
+        return RecoveryMode.LATEST, f"{failure.value}: every rank is accessible and state is not suspect"
+    if sweep is SweepOutcome.CLEAN:
+        return RecoveryMode.LATEST, f"{failure.value}: the full replay sweep completed clean"
+    reasons = {
+        SweepOutcome.SDC: "the full replay sweep detected SDC",
+        SweepOutcome.INCOMPLETE: "the full replay sweep did not complete",
+        SweepOutcome.NOT_RUN: "no replay evidence is available (SCOUT disabled or sweep not run)",
+    }
+    return RecoveryMode.RECOVERY_VERIFIED, f"{failure.value}: {reasons[sweep]}"

@@ -1,0 +1,272 @@
+"""ResiliencySession: the one object every framework surface drives.
+
+Lifecycle of a capture at optimizer step k (k a multiple of `interval`):
+  after optimizer step k   -> snapshot RNG streams (they must not include the next batch)
+  before the next forward  -> read model/optimizer (unchanged since step k), the deferred
+                              framework state (LR scheduler stepped after the optimizer) and
+                              caller state, and start the asynchronous GEMINI capture
+  before optimizer step k+1 -> wait for the copy (GEMINI's maybe_wait)
+The capture is also completed at `flush_for_restart()`, `close()` and interpreter exit, so
+the last step of a run is never left half-captured.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import random
+import shutil
+import threading
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
+from lm_resiliency.recovery import RecoveryDecision, RecoveryMode, select_mode
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ResiliencyHandle(Protocol):
+    """The lifecycle surface every framework integration returns."""
+
+    step_count: int
+
+    def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any: ...
+    def checkpoint_io(self, kind: str, name: str = "") -> Any: ...
+    def flush_for_restart(self) -> int: ...
+    def set_restart_destination(self, resolver: Optional[Callable[[], Optional[str]]]) -> None: ...
+    def copy_checkpoint_to(self, destination: Optional[str] = None) -> list: ...
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision: ...
+    def close(self) -> None: ...
+
+
+def capture_rng() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    state["numpy"] = np.random.get_state()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    # Recovered tensors can be views into one payload buffer; RNG setters need their own storage.
+    torch.set_rng_state(state["torch"].clone())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+class ResiliencySession:
+    """Owns hooks, the GEMINI manager and their threads and process groups for one training run."""
+
+    def __init__(self, adapter: FrameworkAdapter, *, checkpoint: Optional[InMemoryCkptConfig] = None,
+                 enable_checkpoint: bool = True, enable_detection: bool = True,
+                 extra_state_fn: Optional[Callable[[], Dict[str, Any]]] = None,
+                 load_extra_state_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 load_fallback: Optional[Callable[[], Any]] = None,
+                 recovery_mode: Optional[RecoveryMode] = None, orchestration: Any = None) -> None:
+        self.adapter = adapter
+        self.step_count = 0
+        self.last_recovery_decision: Optional[RecoveryDecision] = None
+        self.recovered_from: Optional[str] = None
+        self.config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
+        self.enable_detection = enable_detection
+        self._extra_state_fn = extra_state_fn
+        self._load_extra_state_fn = load_extra_state_fn
+        self._load_fallback = load_fallback
+        self._recovery_mode = RecoveryMode(recovery_mode) if recovery_mode is not None else RecoveryMode.LATEST
+        self._orchestration = orchestration
+        self._restart_destination: Optional[Callable[[], Optional[str]]] = None
+        self._pending: Optional[Dict[str, Any]] = None
+        self._lock = threading.RLock()
+        self._closed = False
+        self.manager: Optional[InMemoryCheckpointManager] = None
+        try:
+            if enable_checkpoint and self.config.enable:
+                topology = adapter.topology()
+                self.manager = InMemoryCheckpointManager(
+                    self.config, topology=topology.descriptor, replicate=topology.replicate)
+            adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
+                                          self._before_forward))
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---------------------------------------------------------------- recovery
+
+    def recover(self) -> Optional[int]:
+        """Collective: load the newest state every rank can load, else call `load_fallback`.
+        Sets and returns `step_count` (None when starting fresh)."""
+        step = None
+        if self.manager is not None:
+            if self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED:
+                raise RecoveryUnavailable(
+                    "recovery_mode=RECOVERY_VERIFIED needs a SCOUT-certified checkpoint, and none exists "
+                    "for this run; refusing to load an uncertified one or to call the unconstrained "
+                    "load_fallback. Restore a verified durable checkpoint explicitly.")
+            step = self.manager.find_latest()
+        if step is not None:
+            state = self.manager.load()
+            self.adapter.load_framework_state(state["framework"])
+            self.adapter.load_deferred_state(state["deferred"])
+            restore_rng(state["rng"])
+            if self._load_extra_state_fn is not None:
+                self._load_extra_state_fn(state["extra"])
+            self.step_count = step
+            self.recovered_from = "gemini"
+            logger.info("lm-resiliency: resumed from GEMINI step %d (%s)", step, self.adapter.describe())
+            return step
+        if self._load_fallback is not None:
+            with self.checkpoint_io("read", name="load_fallback"):
+                result = self._load_fallback()
+            if isinstance(result, int) and not isinstance(result, bool):
+                self.step_count = result
+            self.recovered_from = "fallback"
+            return self.step_count
+        return None
+
+    # ------------------------------------------------------------- step hooks
+
+    def _capture_due(self) -> bool:
+        return self.manager is not None and self.step_count % self.config.interval == 0
+
+    def _before_optimizer_step(self) -> None:
+        self._finish_pending_capture()
+        if self.manager is not None:
+            self.manager.maybe_wait()
+
+    def _after_optimizer_step(self) -> None:
+        with self._lock:
+            self.step_count += 1
+            if self._capture_due():
+                self._pending = {"step": self.step_count, "rng": capture_rng()}
+
+    def _before_forward(self) -> None:
+        if self._pending is not None:
+            self._finish_pending_capture()
+
+    def _finish_pending_capture(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is None or self.manager is None:
+                return
+            extra = check_extra_state(self._extra_state_fn() if self._extra_state_fn else None)
+            state = {"framework": self.adapter.framework_state(), "deferred": self.adapter.deferred_state(),
+                     "rng": pending["rng"], "extra": extra, "step": pending["step"]}
+            self.manager.save(state, pending["step"])
+
+    # -------------------------------------------------------------- lifecycle
+
+    def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
+        """Returns `dataloader` unchanged: DataLoader stall detection belongs to SCOUT."""
+        return dataloader
+
+    @contextlib.contextmanager
+    def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
+        """Marks a framework checkpoint read or write (for out-of-band stall localization)."""
+        if kind not in ("read", "write"):
+            raise ValueError(f"checkpoint_io(kind=...): expected 'read' or 'write', got {kind!r}")
+        yield
+
+    def flush_for_restart(self) -> int:
+        """Complete any pending capture and write the newest recoverable state to node-local disk.
+        Returns its step, or -1 when there is none."""
+        if self.manager is None or self._closed:
+            return -1
+        self._finish_pending_capture()
+        self.manager.maybe_wait()
+        return self.manager.flush_now()
+
+    def set_restart_destination(self, resolver: Optional[Callable[[], Optional[str]]]) -> None:
+        if resolver is not None and not callable(resolver):
+            raise TypeError("set_restart_destination expects a callable returning a directory (or None)")
+        self._restart_destination = resolver
+
+    def copy_checkpoint_to(self, destination: Optional[str] = None) -> list:
+        """Copy this rank's flushed shards (own and held peer replicas, plus the status sidecar)
+        to `destination`, keeping the run/rank layout. Each file is published atomically."""
+        if destination is None and self._restart_destination is not None:
+            destination = self._restart_destination()
+        if destination is None:
+            raise ValueError("copy_checkpoint_to: no destination given and no restart destination resolver set")
+        if self.manager is None:
+            return []
+        source_dir = self.manager.store.directory
+        relative = os.path.relpath(source_dir, os.path.abspath(self.config.disk_folder))
+        target_dir = os.path.join(destination, relative)
+        os.makedirs(target_dir, mode=0o700, exist_ok=True)
+        copied = []
+        for name in sorted(os.listdir(source_dir)):
+            if name.startswith("."):
+                continue
+            source = os.path.join(source_dir, name)
+            if os.path.islink(source) or not os.path.isfile(source):
+                continue
+            temp = os.path.join(target_dir, f".{name}.copy-{os.getpid()}")
+            shutil.copyfile(source, temp)
+            with open(temp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(temp, os.path.join(target_dir, name))
+            copied.append(os.path.join(target_dir, name))
+        return copied
+
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision:
+        """Select latest or recovery-verified trust for `failure` (rank-local, non-collective) and
+        hand the decision to orchestration."""
+        mode, reason = select_mode(failure, all_ranks_accessible=all_ranks_accessible)
+        step, source = None, None
+        if mode is RecoveryMode.LATEST and self.manager is not None:
+            step = self.manager.latest_step if self.manager.latest_step >= 0 else None
+            source = "memory" if step is not None else None
+            if step is None:
+                disk = [k.step for k in self.manager.store.list_shards() if k.kind == "own"]
+                step, source = (max(disk), "node_local") if disk else (None, None)
+        decision = RecoveryDecision(
+            failure=str(failure), mode=mode.value, source=source, step=step, durable_checkpoint_id=None,
+            topology=self.manager.topology if self.manager else None, available=step is not None,
+            reason=reason, ranks=(dist.get_rank(),) if dist.is_initialized() else (0,))
+        self.last_recovery_decision = decision
+        report = getattr(self._orchestration, "report_recovery", None)
+        if report is not None:
+            report(decision)
+        return decision
+
+    def close(self) -> None:
+        """Complete the pending capture, stop background work, remove hooks. Idempotent; also runs
+        at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.manager is not None and dist.is_initialized() == (self.manager.world_size > 1):
+                self._finish_pending_capture()
+                self.manager.maybe_wait()
+        except Exception:  # noqa: BLE001 - teardown must continue; the error is logged
+            logger.exception("lm-resiliency: could not complete the last capture at close()")
+        finally:
+            self.adapter.remove()
+            if self.manager is not None:
+                self.manager.close()
+
+
+def _close_at_exit(ref: "weakref.ReferenceType") -> None:
+    session = ref()
+    if session is not None:
+        session.close()
