@@ -1,0 +1,1 @@
+"""SCOUT: failure localization by replay on equivalent peers, timing and out-of-band monitoring."""

@@ -1,0 +1,76 @@
+"""ReplayHarnessConfig: SCOUT configuration. Every field is validated; errors name the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lm_resiliency.config import ConfigError
+
+
+def _positive_int_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class ReplayHarnessConfig:
+    """SCOUT replay, straggler and out-of-band monitor settings (see docs/scout.md).
+
+    `check_interval` is the base cadence in optimizer steps; each `*_check_interval` left at
+    None inherits it. The top-level `enable_resiliency(interval=...)` overrides the base.
+    """
+
+    check_interval: int = 10
+    rotate_layers: bool = True
+    embedding_check_interval: Optional[int] = None
+    hidden_check_interval: Optional[int] = None
+    output_check_interval: Optional[int] = None
+    optimizer_check_interval: Optional[int] = None
+    optimizer_check_max_elements: int = 4096
+    straggler_confirmation_rounds: int = 2
+    straggler_min_ratio: float = 1.5
+    straggler_min_margin_s: float = 0.005
+    hang_stall_threshold_s: float = 300.0
+    dataloader_stall_threshold_s: float = 120.0
+    checkpoint_io_stall_threshold_s: float = 600.0
+    monitor_poll_interval_s: float = 1.0
+    capture_inputs_by_value: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+
+        def require(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name}.{field}: {message}, got {getattr(self, field)!r}")
+
+        require(_positive_int_or_none(self.check_interval) and self.check_interval is not None,
+                "check_interval", "must be a positive integer number of optimizer steps")
+        for field in ("embedding_check_interval", "hidden_check_interval", "output_check_interval",
+                      "optimizer_check_interval"):
+            require(_positive_int_or_none(getattr(self, field)), field, "must be None or a positive integer")
+        for field in ("rotate_layers", "capture_inputs_by_value"):
+            require(isinstance(getattr(self, field), bool), field, "must be True or False")
+        require(_positive_int_or_none(self.optimizer_check_max_elements), "optimizer_check_max_elements",
+                "must be a positive integer")
+        require(_positive_int_or_none(self.straggler_confirmation_rounds), "straggler_confirmation_rounds",
+                "must be a positive integer")
+        require(_positive_number(self.straggler_min_ratio) and self.straggler_min_ratio > 1, "straggler_min_ratio",
+                "must be a number > 1")
+        require(isinstance(self.straggler_min_margin_s, (int, float)) and not isinstance(self.straggler_min_margin_s, bool)
+                and math.isfinite(self.straggler_min_margin_s) and self.straggler_min_margin_s >= 0,
+                "straggler_min_margin_s", "must be a finite number >= 0")
+        for field in ("hang_stall_threshold_s", "dataloader_stall_threshold_s", "checkpoint_io_stall_threshold_s",
+                      "monitor_poll_interval_s"):
+            require(_positive_number(getattr(self, field)), field, "must be a positive, finite number of seconds")
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an int")
+
+    def interval_for(self, check: str) -> int:
+        """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer'."""
+        specific = getattr(self, f"{check}_check_interval")
+        return specific if specific is not None else self.check_interval
