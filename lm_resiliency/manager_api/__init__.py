@@ -1,0 +1,23 @@
+"""Stable, platform-neutral manager API.
+
+What an external manager needs to coordinate with lm-resiliency workers: the orchestration
+hooks, the JSON-ready recovery decisions and fault reports they carry, and the helpers that turn a
+SCOUT replay result into them. Only features that exist are exported.
+"""
+
+from lm_resiliency.manager_api.hooks import OrchestrationHooks, RestartDestinationResolver, dispatch_replay_faults
+from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback
+from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
+
+__all__ = [
+    # Coordination
+    "OrchestrationHooks",
+    "RestartDestinationResolver",
+    "RecoveryDecision",
+    "RecoveryDecisionCallback",
+    # Fault reports
+    "SCOUTFaultReport",
+    "SCOUTFaultCallback",
+    "replay_fault_reports",
+    "dispatch_replay_faults",
+]
