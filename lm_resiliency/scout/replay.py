@@ -1,0 +1,636 @@
+"""Replay-based SDC localization: replay one sampled invocation on every equivalent peer, vote.
+
+Per scheduled check (`ReplayHarnessConfig.interval_for`):
+
+1. `arm(step)` before the forward: a forward pre-hook on the sampled module stores the
+   invocation's positional and keyword inputs (detached, cloned) on the check's *source* peer,
+   then removes itself. Only the source captures, so the other peers pay nothing.
+2. `run(step)` after backward, before `optimizer.step()`: the source shares its invocation with
+   the group (codec JSON structure + one flat uint8 payload; no pickle). Every peer replays the
+   module on those same bytes under `no_grad`, with the RNG forked and seeded identically (so
+   dropout matches), and signs the output, the module's parameters and the received input. A
+   bounded slice of one parameter goes through a shadow optimizer step. One JSON all-gather
+   exchanges every signature; `vote` decides each check the same way on every peer.
+
+A faulty device shows up because the replay runs the module's real forward (its hooks included)
+on the faulty peer, which then disagrees with the majority. Parameters and live gradients are
+never modified; the module's buffers are restored after the replay; the live RNG state is
+untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import wire
+from lm_resiliency.gemini.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.peers import CLEAN, vote
+from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
+from lm_resiliency.scout.signature import structure_signature, tensor_signature
+
+logger = logging.getLogger(__name__)
+
+CHECKS = ("embedding", "hidden", "output", "optimizer")
+ACTIVATION_CHECKS = ("embedding", "hidden", "output")
+ERROR_SIGNATURE = "error"
+_HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason"}
+
+
+class ReplayError(RuntimeError):
+    """A replay check could not be decided (peers disagree on the plan, or every peer failed).
+
+    Raised on every peer of the group at the same point, so collectives stay aligned."""
+
+
+class ReplayUnsupportedError(ValueError):
+    """The model cannot be replayed by this detector (e.g. FSDP2/DTensor-sharded parameters)."""
+
+
+@dataclass(frozen=True)
+class ModuleCatalog:
+    """The modules SCOUT samples, by path inside the (DDP-unwrapped) model."""
+
+    embedding: Optional[Tuple[str, nn.Module]]
+    hidden: Tuple[Tuple[str, nn.Module], ...]
+    output: Optional[Tuple[str, nn.Module]]
+
+    @staticmethod
+    def of(model: nn.Module) -> "ModuleCatalog":
+        named = [(path or "(root)", m) for path, m in model.named_modules()]
+        leaves = [(p, m) for p, m in named
+                  if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
+        embedding = next(((p, m) for p, m in named if isinstance(m, nn.Embedding)), leaves[0] if leaves else None)
+        output = leaves[-1] if leaves else None
+        hidden: Tuple[Tuple[str, nn.Module], ...] = ()
+        for path, container in named:
+            if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+                continue
+            by_type: Dict[type, List[Tuple[str, nn.Module]]] = {}
+            for name, child in container.named_children():
+                if next(child.parameters(), None) is not None:
+                    prefix = "" if path == "(root)" else f"{path}."
+                    by_type.setdefault(type(child), []).append((prefix + name, child))
+            best = max(by_type.values(), key=len, default=[])
+            if len(best) >= 2 and len(best) > len(hidden):
+                hidden = tuple(best)
+        return ModuleCatalog(embedding, hidden, output)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module DDP (or DataParallel) wraps; the model itself otherwise."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _clone_inputs(value: Any, by_value: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.clone() if by_value else value
+    if isinstance(value, tuple):
+        return tuple(_clone_inputs(v, by_value) for v in value)
+    if isinstance(value, list):
+        return [_clone_inputs(v, by_value) for v in value]
+    if isinstance(value, dict):
+        return {k: _clone_inputs(v, by_value) for k, v in value.items()}
+    return value
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    """Every tensor in a (nested) module output, in a deterministic order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if hasattr(value, "__dataclass_fields__"):
+        return [t for name in value.__dataclass_fields__ for t in _tensors_in(getattr(value, name))]
+    return []
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """A private copy of every tensor on `device` (the replay may modify its inputs in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, copy=True)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _SeededRng:
+    """Fork the CPU RNG (and the module's CUDA device RNG) and seed both; restore on exit."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self._seed = seed
+        self._cuda = device.index if device.type == "cuda" else None
+        if device.type == "cuda" and self._cuda is None:
+            self._cuda = torch.cuda.current_device()
+        self._fork = torch.random.fork_rng(devices=[] if self._cuda is None else [self._cuda])
+
+    def __enter__(self) -> None:
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(self._seed)
+        if self._cuda is not None:
+            with torch.cuda.device(self._cuda):
+                torch.cuda.manual_seed(self._seed)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._fork.__exit__(*exc)
+
+
+class _Capture:
+    """Forward pre-hook that stores one invocation's inputs, then removes itself."""
+
+    def __init__(self, detector: "ReplayDetector", path: str, module: nn.Module, step: int) -> None:
+        self.path, self.step = path, step
+        self.args: Any = None
+        self.kwargs: Any = None
+        self.autocast: List[List[str]] = []
+        self.done = False
+        self._detector = detector
+        self._handle = module.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.done or self._detector._replaying:
+            return None
+        by_value = self._detector.config.capture_inputs_by_value
+        self.args, self.kwargs = _clone_inputs(args, by_value), _clone_inputs(kwargs, by_value)
+        self.autocast = [[dev, str(torch.get_autocast_dtype(dev)).removeprefix("torch.")]
+                         for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)]
+        self.done = True
+        self.remove()
+        return None
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+class ReplayDetector:
+    """Replay sampled layers on equivalent peers and vote on bitwise signatures.
+
+    `group` is a gloo process group holding exactly `group_ranks` (global ranks); every rank of
+    the group must call `arm`/`run` for the same steps. With `group=None` the detector runs alone
+    (one peer): every check is trivially clean. Call `arm(step)` before the forward of `step` and
+    `run(step)` after its backward, before `optimizer.step()`. `step` counts optimizer steps from 1.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ReplayHarnessConfig, *,
+                 group: Optional[dist.ProcessGroup], group_ranks: Sequence[int]) -> None:
+        if not isinstance(config, ReplayHarnessConfig):
+            raise TypeError(f"config must be a ReplayHarnessConfig, got {type(config).__name__}")
+        ranks = list(group_ranks)
+        if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks) \
+                or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group_ranks must be distinct non-negative ints, got {group_ranks!r}")
+        self._rank = dist.get_rank() if dist.is_initialized() else ranks[0]
+        if self._rank not in ranks:
+            raise ValueError(f"this rank ({self._rank}) is not in group_ranks {ranks}")
+        if group is None:
+            if len(ranks) != 1:
+                raise ValueError(f"group is None but group_ranks has {len(ranks)} ranks; pass the peer group")
+        else:
+            if not dist.is_initialized():
+                raise ValueError("a process group was passed but torch.distributed is not initialized")
+            members = dist.get_process_group_ranks(group)
+            if sorted(members) != sorted(ranks):
+                raise ValueError(f"group holds ranks {sorted(members)} but group_ranks is {ranks}")
+            backend = str(dist.get_backend(group))
+            if "gloo" not in backend:
+                raise ValueError(f"the replay group must be a gloo group (CPU collectives), got backend {backend!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.group = group
+        self.group_ranks: Tuple[int, ...] = tuple(ranks)
+        self.host = socket.gethostname()
+        self._root = unwrap_model(model)
+        self.catalog = ModuleCatalog.of(self._root)
+        for check in ACTIVATION_CHECKS:
+            for path, module in self._candidates(check):
+                if any(_is_dtensor(p) for p in module.parameters()):
+                    raise ReplayUnsupportedError(
+                        f"{check} module {path!r} has DTensor (FSDP2/TP-sharded) parameters; "
+                        "replaying it needs an unshard, which ReplayDetector does not do yet")
+        self._names = {id(p): name for name, p in self._root.named_parameters()}
+        self._captures: Dict[str, _Capture] = {}
+        self._armed_step: Optional[int] = None
+        self._replaying = False
+
+    # -- schedule ---------------------------------------------------------------------------
+
+    def _candidates(self, check: str) -> Tuple[Tuple[str, nn.Module], ...]:
+        if check == "embedding":
+            return (self.catalog.embedding,) if self.catalog.embedding else ()
+        if check == "output":
+            return (self.catalog.output,) if self.catalog.output else ()
+        if check == "hidden":
+            return self.catalog.hidden
+        raise ValueError(f"unknown activation check {check!r}")
+
+    def _optimizer_params(self) -> List[Tuple[int, torch.Tensor]]:
+        seen, out = set(), []
+        for index, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((index, p))
+        return out
+
+    def _available(self, check: str) -> bool:
+        if check == "optimizer":
+            return bool(self._optimizer_params())
+        return bool(self._candidates(check))
+
+    def checks_due(self, step: int) -> List[str]:
+        """The check classes scheduled at optimizer step `step` (counted from 1)."""
+        _check_step(step)
+        return [c for c in CHECKS if step % self.config.interval_for(c) == 0 and self._available(c)]
+
+    def _round(self, check: str, step: int) -> int:
+        """How many times `check` has been scheduled up to `step` (1 at its first check)."""
+        return step // self.config.interval_for(check)
+
+    def _target(self, check: str, step: int) -> Tuple[str, nn.Module]:
+        candidates = self._candidates(check)
+        if check == "hidden" and self.config.rotate_layers:
+            return candidates[(self._round(check, step) - 1) % len(candidates)]
+        return candidates[0]
+
+    def _source(self, check: str, step: int) -> int:
+        return self.group_ranks[self._round(check, step) % len(self.group_ranks)]
+
+    def sampled(self, check: str, step: int) -> Tuple[str, Any]:
+        """What `check` examines at `step`: (module path, module) for an activation check,
+        (parameter slice label, parameter) for the optimizer check. Deterministic on every peer."""
+        _check_step(step)
+        if check == "optimizer":
+            label, param = self._optimizer_target(step)[:2]
+            return label, param
+        if not self._candidates(check):
+            raise ValueError(f"the model has no module for the {check!r} check")
+        return self._target(check, step)
+
+    def source(self, check: str, step: int) -> int:
+        """The global rank whose captured invocation every peer replays for `check` at `step`."""
+        return self._source(check, step)
+
+    # -- capture ----------------------------------------------------------------------------
+
+    def arm(self, step: int) -> None:
+        """Install capture hooks for the checks due at `step` (call before its forward)."""
+        self._remove_captures()
+        self._captures, self._armed_step = {}, step
+        for check in self.checks_due(step):
+            if check == "optimizer" or self._source(check, step) != self._rank:
+                continue
+            path, module = self._target(check, step)
+            if path not in self._captures:
+                self._captures[path] = _Capture(self, path, module, step)
+
+    def _remove_captures(self) -> None:
+        for capture in self._captures.values():
+            capture.remove()
+
+    def close(self) -> None:
+        """Remove every hook this detector installed and drop captured inputs."""
+        self._remove_captures()
+        self._captures = {}
+        self._armed_step = None
+
+    # -- replay -----------------------------------------------------------------------------
+
+    def run(self, step: int) -> ReplayResult:
+        """Replay and vote every check due at `step`. Collective over the group.
+
+        Collectives: one JSON all-gather agreeing on the plan (and carrying the sources'
+        invocation headers), one uint8 broadcast per activation check, one JSON all-gather of
+        the signatures. Raises `ReplayError` on every peer when the peers' plans differ."""
+        _check_step(step)
+        self._remove_captures()
+        captures = self._captures if self._armed_step == step else {}
+        self._captures, self._armed_step = {}, None
+        due = self.checks_due(step)
+        activation = [c for c in due if c != "optimizer"]
+        plan = [[c, self._target(c, step)[0], self._source(c, step)] for c in activation]
+        if "optimizer" in due:
+            plan.append(["optimizer", self._optimizer_target(step)[0], None])
+        headers: Dict[str, dict] = {}
+        outgoing: Dict[str, List[torch.Tensor]] = {}
+        for check, path, source in plan:
+            if source == self._rank:
+                headers[check], outgoing[check] = self._encode_capture(check, path, step, captures.get(path))
+        agreed = self._agree(step, plan, headers)
+        local: List[dict] = []
+        for check, path, source in plan:
+            if check == "optimizer":
+                continue
+            header = agreed[source].get(check)
+            payload = self._receive(check, path, step, source, header, outgoing.get(check, []))
+            local.append(self._replay_one(check, path, self._target(check, step)[1], step, header, payload))
+        optimizer_doc = self._optimizer_check(step) if "optimizer" in due else None
+        doc = {"rank": self._rank, "host": self.host, "step": step, "checks": local, "optimizer": optimizer_doc}
+        docs = self._gather(doc)
+        return ReplayResult(step=step, checks=tuple(self._decide(step, docs)))
+
+    def _encode_capture(self, check: str, path: str, step: int,
+                        capture: Optional[_Capture]) -> Tuple[dict, List[torch.Tensor]]:
+        """On the source: the captured invocation as (JSON header, tensor leaves). No pickle."""
+        header: dict = {"ok": False, "step": step, "check": check, "module": path}
+        if capture is None:
+            header["reason"] = f"arm({step}) was not called on source rank {self._rank} before the forward"
+            return header, []
+        if not capture.done:
+            header["reason"] = f"{path!r} was not called between arm({step}) and run({step}) on rank {self._rank}"
+            return header, []
+        try:
+            encoded = encode_state({"args": capture.args, "kwargs": capture.kwargs})
+            layout = Layout.for_tensors(encoded.tensors)
+        except StateEncodingError as exc:
+            header["reason"] = f"inputs of {path!r} cannot be shared without pickle: {exc}"
+            return header, []
+        header.update(ok=True, structure=encoded.structure, layout=layout.to_json(), autocast=capture.autocast)
+        return header, encoded.tensors
+
+    def _agree(self, step: int, plan: list, headers: Dict[str, dict]) -> Dict[int, Dict[str, dict]]:
+        """Every peer's headers by rank, after checking that every peer runs the same plan."""
+        doc = {"rank": self._rank, "step": step, "plan": plan, "headers": headers}
+        docs = [doc] if self.group is None else wire.all_gather_json(doc, group=self.group)
+        by_rank = {d.get("rank"): d for d in docs if isinstance(d, dict)}
+        if set(by_rank) != set(self.group_ranks) or len(docs) != len(self.group_ranks):
+            raise ReplayError(f"step {step}: replay plans came from ranks {sorted(map(str, by_rank))}, "
+                              f"expected {sorted(self.group_ranks)}")
+        mine = json_roundtrip([step, plan])
+        for rank, d in by_rank.items():
+            if [d.get("step"), d.get("plan")] != mine:
+                raise ReplayError(f"step {step}: peers disagree on the replay plan: rank {self._rank} has "
+                                  f"{mine}, rank {rank} has {[d.get('step'), d.get('plan')]} "
+                                  "(same ReplayHarnessConfig, model and optimizer on every peer?)")
+            if not isinstance(d.get("headers"), dict):
+                raise ReplayError(f"step {step}: rank {rank} sent malformed invocation headers")
+        return {rank: d["headers"] for rank, d in by_rank.items()}
+
+    def _receive(self, check: str, path: str, step: int, source: int, header: Optional[dict],
+                 tensors: List[torch.Tensor]) -> torch.Tensor:
+        """The source's flat invocation payload on every peer (one uint8 broadcast)."""
+        if not isinstance(header, dict) or not set(header) <= _HEADER_KEYS or \
+                (header.get("step"), header.get("check"), header.get("module")) != (step, check, path):
+            raise ReplayError(f"step {step} {check} check: source rank {source} sent no valid header for {path!r}")
+        if not header.get("ok"):
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            layout = Layout.from_json(header.get("layout"))
+        except StateSchemaError as exc:
+            raise ReplayError(f"step {step} {check} check: bad invocation layout from rank {source}: {exc}") from exc
+        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        if source == self._rank:
+            for view, t in zip(layout.views(buffer), tensors):
+                view.copy_(t.reshape(view.shape))
+        if self.group is not None and layout.total_bytes:
+            dist.broadcast(buffer, src=source, group=self.group)
+        return buffer
+
+    def _replay_one(self, check: str, path: str, module: nn.Module, step: int, header: dict,
+                    payload: torch.Tensor) -> dict:
+        entry: Dict[str, Any] = {"check": check, "module": path, "params": structure_signature(
+            list(module.parameters())), "skipped": None, "input": None, "out": None, "time": None, "error": None}
+        if not header.get("ok"):
+            entry["skipped"] = str(header.get("reason", "no capture"))
+            return entry
+        device = _module_device(module)
+        try:
+            layout = Layout.from_json(header["layout"])
+            leaves = layout.views(payload)
+            entry["input"] = structure_signature(leaves)
+            # Every peer, the source included, replays the same received bytes.
+            invocation = decode_state(header["structure"], list(leaves))
+            if not isinstance(invocation, dict) or set(invocation) != {"args", "kwargs"} \
+                    or not isinstance(invocation["args"], (tuple, list)) or not isinstance(invocation["kwargs"], dict):
+                raise StateSchemaError("the shared invocation must be {'args': tuple, 'kwargs': dict}")
+        except (StateSchemaError, KeyError) as exc:
+            # The header is identical on every peer, so every peer raises here together.
+            raise ReplayError(f"step {step} {check} check on {path!r}: malformed shared invocation: {exc}") from exc
+        try:
+            args, kwargs = _to_device(invocation["args"], device), _to_device(invocation["kwargs"], device)
+            saved = [(b, b.detach().clone()) for b in module.buffers()]
+            self._replaying = True
+            try:
+                with torch.no_grad(), _SeededRng(self.config.seed + step, device), _autocast(header.get("autocast")):
+                    _sync(device)
+                    begin = time.perf_counter()
+                    out = module(*args, **kwargs)
+                    _sync(device)
+                    entry["time"] = time.perf_counter() - begin
+            finally:
+                self._replaying = False
+                with torch.no_grad():
+                    for buf, value in saved:
+                        buf.copy_(value)
+            entry["out"] = structure_signature(_tensors_in(out))
+        except Exception as exc:  # noqa: BLE001 - a failing replay is evidence, decided by the vote
+            logger.warning("SCOUT replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        return entry
+
+    def _optimizer_target(self, step: int) -> Tuple[str, torch.Tensor, int, int, int]:
+        """(slice label, parameter, param-group index, slice start, slice width) checked at `step`.
+
+        Rotates through the optimizer's parameters, then through slices of each."""
+        params = self._optimizer_params()
+        k = self._round("optimizer", step) - 1
+        position = k % len(params)
+        index, param = params[position]
+        name = self._names.get(id(param), f"optimizer_params[{position}]")
+        numel = param.numel()
+        width = min(numel, self.config.optimizer_check_max_elements)
+        start = min(((k // len(params)) * width) % max(numel, 1), numel - width)
+        return f"{name}[{start}:{start + width}]", param, index, start, width
+
+    def _optimizer_check(self, step: int) -> dict:
+        label, param, index, start, width = self._optimizer_target(step)
+        name = label[:label.rindex("[")]
+        entry: Dict[str, Any] = {"check": "optimizer", "param": name, "module": label,
+                                 "params": tensor_signature(param), "out": None, "time": None, "error": None}
+        device = param.device
+        try:
+            if _is_dtensor(param):
+                raise ReplayUnsupportedError("DTensor parameters are not supported by the optimizer check")
+            shadow = nn.Parameter(param.detach().reshape(-1)[start:start + width].clone())
+            grad = param.grad
+            if grad is not None:
+                if grad.layout != torch.strided:
+                    raise ReplayUnsupportedError(f"{grad.layout} gradients are not supported")
+                shadow.grad = grad.detach().reshape(-1)[start:start + width].clone()
+            state = {}
+            for key, value in self.optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    sliced = value.dim() > 0 and value.shape == param.shape
+                    state[key] = value.detach().reshape(-1)[start:start + width].clone() if sliced \
+                        else value.detach().clone()
+                else:
+                    state[key] = copy.deepcopy(value)
+            hyper = {key: value for key, value in self.optimizer.param_groups[index].items() if key != "params"}
+            shadow_optimizer = _shadow_optimizer(self.optimizer, shadow, hyper)
+            if state:
+                shadow_optimizer.state[shadow] = state
+            with _SeededRng(self.config.seed + step, device):
+                _sync(device)
+                begin = time.perf_counter()
+                shadow_optimizer.step()
+                _sync(device)
+                entry["time"] = time.perf_counter() - begin
+            new_state = shadow_optimizer.state.get(shadow, {})
+            leaves = [shadow.detach()]
+            for key in sorted(new_state, key=str):
+                value = new_state[key]
+                leaves.append(value.detach() if isinstance(value, torch.Tensor)
+                              else torch.tensor([float(value)], dtype=torch.float64)
+                              if isinstance(value, (int, float)) and not isinstance(value, bool) else None)
+            entry["out"] = structure_signature(leaves)
+        except Exception as exc:  # noqa: BLE001 - decided by the vote (every peer failing raises)
+            logger.warning("SCOUT optimizer check of %s failed on rank %d: %s", name, self._rank, exc)
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        return entry
+
+    # -- agreement --------------------------------------------------------------------------
+
+    def _gather(self, doc: dict) -> List[dict]:
+        if self.group is None:
+            return [doc]
+        return wire.all_gather_json(doc, group=self.group)
+
+    def _decide(self, step: int, docs: List[dict]) -> List[CheckOutcome]:
+        by_rank = {d.get("rank"): d for d in docs if isinstance(d, dict)}
+        if set(by_rank) != set(self.group_ranks) or len(docs) != len(self.group_ranks):
+            raise ReplayError(f"step {step}: replay results came from ranks {sorted(map(str, by_rank))}, "
+                              f"expected {sorted(self.group_ranks)}")
+
+        def plan(d: dict) -> list:
+            opt = d.get("optimizer")
+            return [d.get("step"), [(c.get("check"), c.get("module"), bool(c.get("skipped"))) for c in d["checks"]],
+                    None if opt is None else (opt.get("param"), opt.get("module"))]
+
+        reference = plan(by_rank[self.group_ranks[0]])
+        for rank, d in by_rank.items():
+            if plan(d) != reference:
+                raise ReplayError(f"step {step}: peers disagree on the replay plan: rank {self.group_ranks[0]} "
+                                  f"{reference} vs rank {rank} {plan(d)} (same config and model on every peer?)")
+        ranks = self.group_ranks
+        hosts = {r: str(by_rank[r].get("host", "")) for r in ranks}
+        outcomes: List[CheckOutcome] = []
+        param_paths = set()
+
+        def outcome(check: str, path: str, signatures: Dict[int, str], timings: Dict[int, float]) -> CheckOutcome:
+            verdict, faulty = vote(signatures)
+            if verdict != CLEAN:
+                logger.warning("SCOUT %s check on %s at step %d: %s, faulty=%s, signatures=%s",
+                               check, path, step, verdict, list(faulty), signatures)
+            return CheckOutcome(check=check, module_path=path, group_ranks=ranks, signatures=signatures,
+                                verdict=verdict, faulty=faulty, hosts=dict(hosts), timings_s=timings)
+
+        def signatures_of(entries: Dict[int, dict], key: str, what: str) -> Dict[int, str]:
+            if all(e.get("error") for e in entries.values()):
+                raise ReplayError(f"step {step}: {what} failed on every peer: "
+                                  + "; ".join(f"rank {r}: {e['error']}" for r, e in entries.items()))
+            return {r: ERROR_SIGNATURE if e.get("error") else str(e[key]) for r, e in entries.items()}
+
+        for i, first in enumerate(by_rank[ranks[0]]["checks"]):
+            entries = {r: by_rank[r]["checks"][i] for r in ranks}
+            check, path = first["check"], first["module"]
+            if path not in param_paths:
+                param_paths.add(path)
+                outcomes.append(outcome("parameters", path, {r: str(e["params"]) for r, e in entries.items()}, {}))
+            if first.get("skipped"):
+                logger.warning("SCOUT %s check on %s at step %d skipped: %s", check, path, step, first["skipped"])
+                continue
+            inputs = {r: str(e.get("input")) for r, e in entries.items()}
+            if len(set(inputs.values())) > 1:
+                outcomes.append(outcome("input", path, inputs, {}))
+            timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
+            outcomes.append(outcome(check, path, signatures_of(entries, "out", f"{check} replay of {path!r}"),
+                                    timings))
+        if by_rank[ranks[0]].get("optimizer") is not None:
+            entries = {r: by_rank[r]["optimizer"] for r in ranks}
+            first = entries[ranks[0]]
+            if first["param"] not in param_paths:
+                param_paths.add(first["param"])
+                outcomes.append(outcome("parameters", first["param"],
+                                        {r: str(e["params"]) for r, e in entries.items()}, {}))
+            timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
+            outcomes.append(outcome("optimizer", first["module"],
+                                    signatures_of(entries, "out", f"optimizer check of {first['module']!r}"),
+                                    timings))
+        return outcomes
+
+
+def json_roundtrip(value: Any) -> Any:
+    """`value` as every peer sees it after a JSON exchange (tuples become lists)."""
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step must be a positive int (optimizer steps counted from 1), got {step!r}")
+
+
+class _autocast:
+    """Re-enter the autocast regions the source captured under (none: a no-op)."""
+
+    def __init__(self, regions: Optional[List[List[str]]]) -> None:
+        self._contexts = []
+        for device_type, dtype in regions or []:
+            dtype_obj = getattr(torch, dtype, None)
+            if isinstance(dtype_obj, torch.dtype):
+                self._contexts.append(torch.autocast(device_type, dtype=dtype_obj))
+
+    def __enter__(self) -> None:
+        for ctx in self._contexts:
+            ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for ctx in reversed(self._contexts):
+            ctx.__exit__(*exc)
+
+
+def _shadow_optimizer(live: torch.optim.Optimizer, shadow: nn.Parameter, hyper: dict) -> torch.optim.Optimizer:
+    """An optimizer of `live`'s class over `shadow` alone, with the sampled group's hyperparameters."""
+    cls = type(live)
+    group = dict(hyper, params=[shadow])
+    try:
+        return cls([group], **dict(live.defaults))
+    except TypeError:
+        return cls([group])
