@@ -1,0 +1,562 @@
+"""FaultInjectionSession: binds a campaign to a model and optimizer with hooks only.
+
+The optimizer post-step hook is the iteration boundary: it advances the `training_iteration`
+clock and arms the occurrences due in the new iteration (claiming each in the campaign state
+store first). Armed faults then meet their matching calls through hooks: module forward
+(pre-)hooks, optimizer pre/post-step hooks, the root module's first forward of each iteration,
+and batches of a wrapped data loader. Every execution becomes a `FaultInjectionRecord` in the
+campaign journal. The training loop is not changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .campaign import FaultCampaign, FaultIncident, FaultSpec
+from .corruption import derive_seed
+from .errors import InjectedFault, UnsupportedFaultError
+from .executor import UNCHANGED, FaultExecutionRequest, FaultExecutor
+from .journal import CampaignJournal
+from .local_executor import LocalFaultExecutor
+from .records import FaultInjectionRecord, InjectionStatus
+from .schedule import ClockOrigin, ClockType, RetriggerPolicy
+from .scoring import CampaignReport, LocalizationResult, evaluate
+from .state import CampaignStateStore, MemoryCampaignStateStore, claim
+from .state import setdefault as state_setdefault
+from .taxonomy import FailureType, FaultSurface, SafetyClass
+
+logger = logging.getLogger(__name__)
+
+RESUME_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
+GENERATION_ENV = "TORCHELASTIC_RESTART_COUNT"
+WALL_CLOCK_ORIGIN_KEY = "wall_clock_origin"
+
+U = FaultSurface
+# Faults that meet their matching call at the first forward of each iteration.
+_ITERATION_START_SURFACES = frozenset({U.PROCESS, U.CHECKPOINT, U.COLLECTIVE, U.NETWORK, U.STORAGE,
+                                       U.DEVICE, U.CONFIG})
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(eq=False)
+class _Activation:
+    """One armed occurrence of an incident on this rank."""
+
+    incident: FaultIncident
+    occurrence_id: str
+    tick: int
+    armed_iteration: int
+    faults: Tuple[FaultSpec, ...]
+    calls: Dict[str, int] = field(default_factory=dict)
+    contexts: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    dead: set = field(default_factory=set)  # fault ids that must not run again (unsupported)
+    staged: set = field(default_factory=set)  # stale-state faults waiting for their post-step
+
+    def live(self, spec: FaultSpec, iteration: int) -> bool:
+        if spec.fault_id in self.dead:
+            return False
+        lifetime = self.incident.lifetime
+        if lifetime.iterations is not None and iteration >= self.armed_iteration + lifetime.iterations:
+            return False
+        return self.calls.get(spec.fault_id, 0) < lifetime.call_limit
+
+    def any_live(self, iteration: int) -> bool:
+        return any(self.live(spec, iteration) for spec in self.faults)
+
+
+def _resolve_module(model: torch.nn.Module, path: str, fault_id: str) -> torch.nn.Module:
+    candidates = [path]
+    if hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        candidates.append(f"module.{path}" if path else "module")
+    for candidate in candidates:
+        try:
+            return model.get_submodule(candidate) if candidate else model
+        except AttributeError:
+            continue
+    raise ValueError(f"fault {fault_id!r}: the model has no submodule {path!r} (module_path must be a "
+                     f"dotted name as in model.get_submodule)")
+
+
+def _default_rank_and_world() -> Tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class FaultInjectionSession:
+    """An attached campaign (see `enable_fault_injection`). Close it to remove every hook."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 campaign: FaultCampaign, *, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, executor: Optional[FaultExecutor] = None,
+                 state_store: Optional[CampaignStateStore] = None,
+                 journal: Optional[CampaignJournal] = None, start_iteration: Optional[int] = None,
+                 generation: Optional[str] = None, sandbox_dir: Optional[str] = None,
+                 strict: bool = True) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"enable_fault_injection: model must be a torch.nn.Module, "
+                            f"got {type(model).__name__}")
+        if not isinstance(campaign, FaultCampaign):
+            raise TypeError(f"enable_fault_injection: campaign must be a FaultCampaign, got "
+                            f"{type(campaign).__name__}")
+        default_rank, default_world = _default_rank_and_world()
+        self._rank = default_rank if rank is None else rank
+        self._world_size = default_world if world_size is None else world_size
+        if not isinstance(self._rank, int) or self._rank < 0:
+            raise ValueError(f"enable_fault_injection: rank must be a non-negative int, got {self._rank!r}")
+        if not isinstance(self._world_size, int) or self._world_size <= self._rank:
+            raise ValueError(f"enable_fault_injection: world_size must be an int greater than rank "
+                             f"{self._rank}, got {self._world_size!r}")
+        if start_iteration is None:
+            text = os.environ.get(RESUME_STEP_ENV, "") or "0"
+            if not text.isdigit():
+                raise ValueError(f"enable_fault_injection: ${RESUME_STEP_ENV} must be a non-negative "
+                                 f"integer, got {text!r}")
+            start_iteration = int(text)
+        if not isinstance(start_iteration, int) or start_iteration < 0:
+            raise ValueError(f"enable_fault_injection: start_iteration must be a non-negative int (the "
+                             f"number of optimizer steps already completed), got {start_iteration!r}")
+        if executor is not None and not callable(getattr(executor, "execute", None)):
+            raise TypeError(f"enable_fault_injection: executor must be a FaultExecutor, "
+                            f"got {type(executor).__name__}")
+        if state_store is not None and not callable(getattr(state_store, "compare_and_swap", None)):
+            raise TypeError(f"enable_fault_injection: state_store must be a CampaignStateStore with "
+                            f"compare_and_swap, got {type(state_store).__name__}")
+        if journal is not None and not callable(getattr(journal, "append", None)):
+            raise TypeError(f"enable_fault_injection: journal must be a CampaignJournal, "
+                            f"got {type(journal).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.campaign = campaign
+        self.executor = executor if executor is not None else LocalFaultExecutor()
+        self.state_store = state_store if state_store is not None else MemoryCampaignStateStore()
+        self.journal = journal if journal is not None else CampaignJournal()
+        self.generation = str(generation if generation is not None
+                              else os.environ.get(GENERATION_ENV, f"pid-{os.getpid()}"))
+        self.strict = bool(strict)
+        self._start_iteration = start_iteration
+        self._iteration = start_iteration + 1
+        self._host = socket.gethostname()
+        self._records: List[FaultInjectionRecord] = []
+        self._activations: Dict[str, _Activation] = {}
+        self._handles: list = []
+        self._closed = False
+        self._pending_start = True
+        self._sandbox_root = sandbox_dir
+        self._own_sandbox = False
+
+        self._incidents: List[Tuple[FaultIncident, Tuple[FaultSpec, ...]]] = []
+        self._unsupported: Dict[str, str] = {}
+        self._modules: Dict[str, torch.nn.Module] = {}
+        for incident in campaign.incidents:
+            mine = tuple(f for f in incident.faults if f.target.rank == self._rank)
+            if not mine:
+                continue
+            self._incidents.append((incident, mine))
+            for spec in mine:
+                try:
+                    check = getattr(self.executor, "check", None)
+                    if check is not None:
+                        check(spec)
+                except UnsupportedFaultError as exc:
+                    if self.strict:
+                        raise
+                    self._unsupported[spec.fault_id] = exc.reason
+                    logger.warning("%s (it will be recorded as unsupported)", exc)
+                if spec.target.module_path is not None:
+                    self._modules[spec.fault_id] = _resolve_module(model, spec.target.module_path,
+                                                                   spec.fault_id)
+        self._wall_origin: Optional[float] = None
+        self._last_wall_tick = -1
+        if campaign.clock.type is ClockType.WALL_CLOCK:
+            now = time.time()
+            self._wall_origin = (float(state_setdefault(self.state_store, WALL_CLOCK_ORIGIN_KEY, now))
+                                 if campaign.clock.origin is ClockOrigin.RUN_START else now)
+        try:
+            self._install_hooks()
+            self._arm()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def iteration(self) -> int:
+        """The training iteration now running (1-based; completed optimizer steps + 1)."""
+        return self._iteration
+
+    @property
+    def records(self) -> Tuple[FaultInjectionRecord, ...]:
+        """Records this session wrote (the journal may hold other ranks' and generations' too)."""
+        return tuple(self._records)
+
+    @property
+    def active_occurrences(self) -> Tuple[str, ...]:
+        return tuple(a.occurrence_id for a in self._activations.values() if a.any_live(self._iteration))
+
+    def advance(self) -> None:
+        """Mark an iteration boundary by hand (only for optimizers that are not a
+        torch.optim.Optimizer; the optimizer hook calls this for you)."""
+        self._finish_stale_state()
+        self._iteration += 1
+        self._expire()
+        self._arm()
+        self._pending_start = True
+
+    def set_iteration(self, completed_steps: int) -> None:
+        """Re-align the clock after an in-process recovery restored `completed_steps`: armed
+        occurrences are dropped (recorded as expired if they never ran) and the next iteration's
+        occurrences are armed; restart-stable ids and claims make replayed ones safe."""
+        if not isinstance(completed_steps, int) or completed_steps < 0:
+            raise ValueError(f"set_iteration: completed_steps must be a non-negative int, "
+                             f"got {completed_steps!r}")
+        for act in list(self._activations.values()):
+            self._retire(act)
+        self._activations.clear()
+        self._iteration = completed_steps + 1
+        self._arm()
+        self._pending_start = True
+
+    def wrap_dataloader(self, iterable: Iterable[Any]) -> "_FaultyLoader":
+        """Route batches through the campaign's dataloader-surface faults (drop, duplicate,
+        reorder, delay, hang, exception, io_error). Pass-through when none is armed."""
+        return _FaultyLoader(self, iterable)
+
+    def evaluate(self, localizations: Sequence[LocalizationResult] = (), *,
+                 world_size: Optional[int] = None,
+                 window_iterations: Optional[int] = None) -> CampaignReport:
+        """Score `localizations` against the ground truth in the journal (every rank and
+        generation that shares it). See `lm_resiliency.faults.evaluate`."""
+        return evaluate(self.journal.records(), localizations, campaign=self.campaign,
+                        world_size=world_size or self._world_size, window_iterations=window_iterations)
+
+    def close(self) -> None:
+        """Remove every hook, release held resources and the session's own sandbox. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._activations.clear()
+        if self._own_sandbox and self._sandbox_root is not None:
+            shutil.rmtree(self._sandbox_root, ignore_errors=True)
+
+    def __enter__(self) -> "FaultInjectionSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"FaultInjectionSession(campaign={self.campaign.name!r}, rank={self._rank}, "
+                f"iteration={self._iteration}, active={list(self.active_occurrences)})")
+
+    # ------------------------------------------------------------------ hooks
+
+    def _install_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+        outputs: Dict[int, torch.nn.Module] = {}
+        inputs: Dict[int, torch.nn.Module] = {}
+        for _, specs in self._incidents:
+            for spec in specs:
+                module = self._modules.get(spec.fault_id)
+                if spec.target.surface is U.OUTPUT:
+                    outputs[id(module)] = module
+                elif spec.target.surface is U.INPUT:
+                    inputs[id(module)] = module
+        for module in outputs.values():
+            self._handles.append(module.register_forward_hook(self._on_output))
+        for module in inputs.values():
+            self._handles.append(module.register_forward_pre_hook(self._on_input))
+        if self.optimizer is not None:
+            if not hasattr(self.optimizer, "register_step_post_hook"):
+                raise TypeError(f"enable_fault_injection: {type(self.optimizer).__name__} has no step hooks; "
+                                "pass optimizer=None and call session.advance() after each step")
+            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
+
+    def _live(self, predicate) -> List[Tuple[_Activation, FaultSpec]]:
+        out = []
+        for act in list(self._activations.values()):
+            for spec in act.faults:
+                if predicate(spec) and act.live(spec, self._iteration):
+                    out.append((act, spec))
+        return out
+
+    def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._closed or not self._pending_start:
+            return None
+        self._pending_start = False
+        for act, spec in self._live(self._starts_iteration):
+            self._run(act, spec, "iteration_start", module=self._modules.get(spec.fault_id))
+        return None
+
+    @staticmethod
+    def _starts_iteration(spec: FaultSpec) -> bool:
+        surface = spec.target.surface
+        return surface in _ITERATION_START_SURFACES or (
+            spec.type is FailureType.TENSOR_CORRUPTION and surface in (U.PARAMETER, U.OPTIMIZER_STATE))
+
+    def _on_output(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if self._closed:
+            return None
+        changed = False
+        for act, spec in self._live(lambda s: s.target.surface is U.OUTPUT
+                                    and self._modules.get(s.fault_id) is module):
+            value = self._run(act, spec, "forward", value=output, module=module)
+            if value is not UNCHANGED:
+                output, changed = value, True
+        return output if changed else None
+
+    def _on_input(self, module: torch.nn.Module, args: tuple) -> Any:
+        if self._closed:
+            return None
+        changed = False
+        for act, spec in self._live(lambda s: s.target.surface is U.INPUT
+                                    and self._modules.get(s.fault_id) is module):
+            value = self._run(act, spec, "forward_pre", value=args, module=module)
+            if value is not UNCHANGED:
+                args, changed = tuple(value), True
+        return args if changed else None
+
+    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._closed:
+            return None
+        for act, spec in self._live(lambda s: s.type is FailureType.STALE_STATE or (
+                s.type is FailureType.TENSOR_CORRUPTION and s.target.surface is U.GRADIENT)):
+            self._run(act, spec, "pre_step", module=self._modules.get(spec.fault_id))
+            if spec.type is FailureType.STALE_STATE:
+                act.staged.add(spec.fault_id)
+        return None
+
+    def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._closed:
+            return None
+        self.advance()
+        return None
+
+    def _finish_stale_state(self) -> None:
+        for act in list(self._activations.values()):
+            for spec in act.faults:
+                if spec.fault_id in act.staged:
+                    act.staged.discard(spec.fault_id)
+                    self._run(act, spec, "post_step", module=self._modules.get(spec.fault_id), count=False)
+
+    def _batch_faults(self) -> List[Tuple[_Activation, FaultSpec]]:
+        return self._live(lambda s: s.target.surface is U.DATALOADER)
+
+    # ------------------------------------------------------------------ arming
+
+    def _ticks(self) -> List[int]:
+        if self._wall_origin is None:
+            if self.campaign.clock.origin is ClockOrigin.RUN_START:
+                return [self._iteration]
+            return [self._iteration - self._start_iteration]
+        now = int(math.floor(time.time() - self._wall_origin))
+        ticks = list(range(self._last_wall_tick + 1, now + 1))
+        self._last_wall_tick = max(self._last_wall_tick, now)
+        return ticks
+
+    def _arm(self) -> None:
+        ticks = self._ticks()
+        seed = self.campaign.seed
+        for incident, specs in self._incidents:
+            tick = next((t for t in ticks if incident.trigger.fires(t, seed=seed,
+                                                                     incident_id=incident.incident_id)), None)
+            if tick is None:
+                continue
+            occurrence_id = f"{incident.incident_id}@{tick}"
+            key = f"{occurrence_id}/rank-{self._rank}"
+            if incident.retrigger is RetriggerPolicy.EVERY_GENERATION:
+                key += f"/generation-{self.generation}"
+            owner = {"rank": self._rank, "pid": os.getpid(), "host": self._host,
+                     "generation": self.generation, "iteration": self._iteration, "time": time.time()}
+            act = _Activation(incident, occurrence_id, tick, self._iteration, specs)
+            if not claim(self.state_store, key, owner):
+                for spec in specs:
+                    self._record(act, spec, InjectionStatus.ALREADY_CLAIMED, 0, {"claim": key},
+                                 "claimed earlier by another worker of this rank")
+                continue
+            previous = self._activations.pop(incident.incident_id, None)
+            if previous is not None:
+                self._retire(previous)
+            for spec in specs:
+                if spec.fault_id in self._unsupported:
+                    act.dead.add(spec.fault_id)
+                    self._record(act, spec, InjectionStatus.UNSUPPORTED, 0, {},
+                                 self._unsupported[spec.fault_id])
+            self._activations[incident.incident_id] = act
+            logger.info("fault campaign %s: armed %s on rank %d at iteration %d", self.campaign.name,
+                        occurrence_id, self._rank, self._iteration)
+
+    def _expire(self) -> None:
+        for incident_id, act in list(self._activations.items()):
+            if not act.any_live(self._iteration):
+                del self._activations[incident_id]
+                self._retire(act)
+
+    def _retire(self, act: _Activation) -> None:
+        for spec in act.faults:
+            if act.calls.get(spec.fault_id, 0) == 0 and spec.fault_id not in act.dead:
+                self._record(act, spec, InjectionStatus.EXPIRED, 0, {},
+                             "the lifetime ended before any matching call")
+        act.contexts.clear()
+
+    # ------------------------------------------------------------------ execution
+
+    def _sandbox(self, act: _Activation) -> str:
+        if self._sandbox_root is None:
+            self._sandbox_root = tempfile.mkdtemp(prefix=f"lmr-faults-rank{self._rank}-")
+            self._own_sandbox = True
+        path = os.path.join(self._sandbox_root, f"rank-{self._rank}",
+                            _SAFE_NAME.sub("_", act.occurrence_id))
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def _run(self, act: _Activation, spec: FaultSpec, phase: str, *, value: Any = None,
+             module: Any = None, fetch: Any = None, count: bool = True) -> Any:
+        if count:
+            act.calls[spec.fault_id] = act.calls.get(spec.fault_id, 0) + 1
+        call_index = act.calls.get(spec.fault_id, 0)
+        context = act.contexts.setdefault(spec.fault_id, {})
+        committed: Dict[str, bool] = {}
+
+        def commit(evidence: Mapping[str, Any]) -> None:
+            committed["done"] = True
+            self._record(act, spec, InjectionStatus.INJECTED, call_index, evidence, "committed before effect")
+
+        request = FaultExecutionRequest(
+            spec=spec, occurrence_id=act.occurrence_id, incident_id=act.incident.incident_id,
+            rank=self._rank, world_size=self._world_size, tick=act.tick, iteration=self._iteration,
+            call_index=call_index, seed=derive_seed(self.campaign.seed, act.occurrence_id, spec.fault_id,
+                                                    call_index),
+            phase=phase, value=value, module=module, model=self.model, optimizer=self.optimizer,
+            sandbox_dir=(self._sandbox(act) if spec.safety_class is SafetyClass.SANDBOXED_DESTRUCTIVE
+                         else None),
+            context=context, fetch=fetch, commit=commit)
+        try:
+            result = self.executor.execute(request)
+        except UnsupportedFaultError as exc:
+            act.dead.add(spec.fault_id)
+            self._record(act, spec, InjectionStatus.UNSUPPORTED, call_index, {}, exc.reason)
+            if self.strict:
+                raise
+            return UNCHANGED
+        except InjectedFault as exc:
+            if not committed:
+                self._record(act, spec, InjectionStatus.INJECTED, call_index, exc.evidence,
+                             f"{type(exc).__name__}: {exc}")
+            raise
+        except Exception as exc:
+            self._record(act, spec, InjectionStatus.FAILED, call_index, {}, f"{type(exc).__name__}: {exc}")
+            logger.error("fault %s (%s) failed on rank %d: %s", act.occurrence_id, spec.fault_id,
+                         self._rank, exc)
+            if self.strict:
+                raise
+            return UNCHANGED
+        if result.status is not None and not committed:
+            self._record(act, spec, result.status, call_index, result.evidence, result.detail)
+        return result.value
+
+    def _record(self, act: _Activation, spec: FaultSpec, status: InjectionStatus, call_index: int,
+                evidence: Mapping[str, Any], detail: str) -> None:
+        record = FaultInjectionRecord(
+            occurrence_id=act.occurrence_id, incident_id=act.incident.incident_id,
+            fault_id=spec.fault_id, failure_type=spec.type, rank=self._rank, status=status,
+            tick=act.tick, iteration=self._iteration, wall_time=time.time(),
+            surface=spec.target.surface, module_path=spec.target.module_path, call_index=call_index,
+            world_size=self._world_size, generation=self.generation, host=self._host,
+            pid=os.getpid(), evidence=dict(evidence), detail=detail)
+        self._records.append(record)
+        self.journal.append(record)
+        if status is InjectionStatus.INJECTED:
+            logger.info("injected %s (%s, %s) on rank %d at iteration %d", act.occurrence_id, spec.fault_id,
+                        spec.type.value, self._rank, self._iteration)
+
+
+class _FaultyLoader:
+    """Iterable wrapper returned by `FaultInjectionSession.wrap_dataloader`."""
+
+    def __init__(self, session: FaultInjectionSession, iterable: Iterable[Any]) -> None:
+        self._session = session
+        self._iterable = iterable
+
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._iterable, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        session = self._session
+        source = iter(self._iterable)
+        while True:
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
+            armed = [] if session._closed else session._batch_faults()
+            if not armed:
+                yield batch
+                continue
+            act, spec = armed[0]
+            value = session._run(act, spec, "batch", value=batch, fetch=lambda: next(source))
+            if value is UNCHANGED:
+                yield batch
+            else:
+                yield from value
+
+
+def enable_fault_injection(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], *,
+                           campaign: FaultCampaign, rank: Optional[int] = None,
+                           executor: Optional[FaultExecutor] = None,
+                           state_store: Optional[CampaignStateStore] = None,
+                           journal: Optional[CampaignJournal] = None,
+                           world_size: Optional[int] = None, start_iteration: Optional[int] = None,
+                           generation: Optional[str] = None, sandbox_dir: Optional[str] = None,
+                           strict: bool = True) -> FaultInjectionSession:
+    """Attach `campaign` to `model` and `optimizer` with hooks; returns the session.
+
+    `rank`/`world_size` default to the default process group (or RANK/WORLD_SIZE, else 0/1).
+    `executor` defaults to `LocalFaultExecutor()`; `state_store` to an in-process store (use
+    `JsonCampaignStateStore` so restarted workers do not re-inject); `journal` to an in-memory
+    one (use a path shared by the ranks to evaluate them together). `start_iteration` is the
+    number of optimizer steps already completed (default: $LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP
+    or 0). `generation` names this worker generation for EVERY_GENERATION incidents (default:
+    $TORCHELASTIC_RESTART_COUNT, else this process). Destructive faults work in `sandbox_dir`
+    (default: a temporary directory removed at close). With `strict` (default) a fault the
+    executor cannot perform here fails at attach, and an executor error is raised; otherwise
+    they are recorded as UNSUPPORTED / FAILED and training goes on.
+    """
+    return FaultInjectionSession(model, optimizer, campaign, rank=rank, world_size=world_size,
+                                 executor=executor, state_store=state_store, journal=journal,
+                                 start_iteration=start_iteration, generation=generation,
+                                 sandbox_dir=sandbox_dir, strict=strict)
+
+
+__all__ = ["FaultInjectionSession", "enable_fault_injection"]
