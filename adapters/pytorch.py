@@ -133,7 +133,13 @@ class PyTorchAdapter(FrameworkAdapter):
     # ------------------------------------------------------------------ state
 
     def framework_state(self) -> Dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        # Parameters and optimizer state change only in optimizer.step(), after GEMINI's
+        # maybe_wait(). Buffers (BatchNorm statistics, DDP-broadcast buffers) change inside the
+        # forward that runs while the capture copies, so they are snapshotted now.
+        buffers = {id(b) for b in self.module.buffers()}
+        model = {name: value.detach().clone() if id(value) in buffers else value.detach()
+                 for name, value in self.module.state_dict(keep_vars=True).items()}
+        return {"model": model, "optimizer": self.optimizer.state_dict()}
 
     def deferred_state(self) -> Dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}
@@ -192,6 +198,9 @@ class PyTorchAdapter(FrameworkAdapter):
             self.optimizer.register_step_post_hook(lambda opt, args, kwargs: callbacks.after_optimizer_step()),
             self.model.register_forward_pre_hook(lambda module, args: callbacks.before_forward()),
         ]
+
+    def replay_targets(self) -> tuple:
+        return self.model, self.optimizer
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -55,6 +55,10 @@ class FrameworkAdapter:
     def install(self, callbacks: StepCallbacks) -> None:
         raise NotImplementedError
 
+    def replay_targets(self) -> tuple:
+        """(root module, optimizer) that SCOUT replays and checks."""
+        raise NotImplementedError
+
     def remove(self) -> None:
         """Remove every hook installed by `install`. Idempotent."""
 

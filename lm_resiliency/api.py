@@ -8,6 +8,9 @@ from typing import Any, Callable, Dict, Optional
 
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.recovery import RecoveryMode
+from lm_resiliency.scout.certification import DurableCheckpointConfig
+from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 from lm_resiliency.session import ResiliencySession
 
 
@@ -53,7 +56,7 @@ def enable_resiliency(
     *,
     interval: Optional[int] = None,
     checkpoint: Optional[InMemoryCkptConfig] = None,
-    replay: Any = None,
+    replay: Optional[ReplayHarnessConfig] = None,
     enable_checkpoint: bool = True,
     enable_detection: bool = True,
     extra_state_fn: Optional[Callable[[], Dict[str, Any]]] = None,
@@ -62,29 +65,36 @@ def enable_resiliency(
     recovery_mode: "RecoveryMode | str | None" = None,
     orchestration: Any = None,
     framework: "FrameworkName | str | None" = None,
+    fault_callback: Optional[Callable[[ReplayResult], None]] = None,
+    oob_fault_callback: Optional[Callable[[SCOUTFaultReport], None]] = None,
+    durable_checkpoint: Optional[DurableCheckpointConfig] = None,
     **framework_options: Any,
 ) -> ResiliencySession:
     """Attach lm-resiliency to a training stack; call once on every rank, after the framework
     objects exist and before the training loop. The newest recoverable state is loaded before
     this returns; `session.step_count` is the resume point."""
     selected = FrameworkName(framework) if framework is not None else infer_framework(model_or_trainer_or_engine)
-    if replay is not None:
-        raise TypeError("enable_resiliency(replay=...): SCOUT replay configuration is not available in this "
-                        "release; omit replay=")
     if interval is not None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"enable_resiliency(interval=...): must be a positive int, got {interval!r}")
     config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
     if not isinstance(config, InMemoryCkptConfig):
         raise TypeError(f"checkpoint= must be an InMemoryCkptConfig, got {type(config).__name__}")
+    replay_config = replay if replay is not None else ReplayHarnessConfig()
+    if not isinstance(replay_config, ReplayHarnessConfig):
+        raise TypeError(f"replay= must be a ReplayHarnessConfig, got {type(replay_config).__name__}")
     if interval is not None:
+        # The shared cadence: GEMINI capture and the base SCOUT check interval.
         config = dataclasses.replace(config, interval=interval)
+        replay_config = dataclasses.replace(replay_config, check_interval=interval)
     mode = RecoveryMode(recovery_mode) if recovery_mode is not None else None
     adapter = _build_adapter(selected, model_or_trainer_or_engine, optimizer, config, framework_options)
     session = ResiliencySession(
-        adapter, checkpoint=config, enable_checkpoint=enable_checkpoint, enable_detection=enable_detection,
-        extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn, load_fallback=load_fallback,
-        recovery_mode=mode, orchestration=orchestration)
+        adapter, checkpoint=config, replay=replay_config, enable_checkpoint=enable_checkpoint,
+        enable_detection=enable_detection, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+        load_fallback=load_fallback, recovery_mode=mode, orchestration=orchestration,
+        fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
+        durable_checkpoint=durable_checkpoint)
     try:
         session.recover()
     except BaseException:

@@ -28,7 +28,15 @@ import torch.distributed as dist
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
+from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import RecoveryDecision, RecoveryMode, select_mode
+from lm_resiliency.scout.certification import CertificationLedger, DurableCheckpointConfig, verdict_of
+from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.harness import ScoutHarness
+from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
+
+# Worst first: the verdict a capture boundary sees is the worst since the previous boundary.
+_VERDICT_SEVERITY = ("sdc", "inconclusive", "incomplete", "straggler", "clean")
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +84,15 @@ class ResiliencySession:
     """Owns hooks, the GEMINI manager and their threads and process groups for one training run."""
 
     def __init__(self, adapter: FrameworkAdapter, *, checkpoint: Optional[InMemoryCkptConfig] = None,
+                 replay: Optional[ReplayHarnessConfig] = None,
                  enable_checkpoint: bool = True, enable_detection: bool = True,
                  extra_state_fn: Optional[Callable[[], Dict[str, Any]]] = None,
                  load_extra_state_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
                  load_fallback: Optional[Callable[[], Any]] = None,
-                 recovery_mode: Optional[RecoveryMode] = None, orchestration: Any = None) -> None:
+                 recovery_mode: Optional[RecoveryMode] = None, orchestration: Any = None,
+                 fault_callback: Optional[Callable[[ReplayResult], None]] = None,
+                 oob_fault_callback: Optional[Callable[[SCOUTFaultReport], None]] = None,
+                 durable_checkpoint: Optional[DurableCheckpointConfig] = None) -> None:
         self.adapter = adapter
         self.step_count = 0
         self.last_recovery_decision: Optional[RecoveryDecision] = None
@@ -92,16 +104,38 @@ class ResiliencySession:
         self._load_fallback = load_fallback
         self._recovery_mode = RecoveryMode(recovery_mode) if recovery_mode is not None else RecoveryMode.LATEST
         self._orchestration = orchestration
+        self._fault_callback = fault_callback
+        self._oob_fault_callback = oob_fault_callback
+        self.replay_config = replay if replay is not None else ReplayHarnessConfig()
         self._restart_destination: Optional[Callable[[], Optional[str]]] = None
         self._pending: Optional[Dict[str, Any]] = None
+        self._boundary_verdict = "incomplete"
+        self.last_replay_result: Optional[ReplayResult] = None
         self._lock = threading.RLock()
         self._closed = False
         self.manager: Optional[InMemoryCheckpointManager] = None
+        self.scout: Optional[ScoutHarness] = None
+        self.ledger: Optional[CertificationLedger] = None
+        self._agreement_group = None
+        self._durable = durable_checkpoint
         try:
+            topology = adapter.topology()
             if enable_checkpoint and self.config.enable:
-                topology = adapter.topology()
                 self.manager = InMemoryCheckpointManager(
                     self.config, topology=topology.descriptor, replicate=topology.replicate)
+            if enable_detection:
+                model, optimizer = adapter.replay_targets()
+                self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
+                                          sharded=topology.kind in ("fsdp2", "hsdp"))
+            if self.manager is not None and self.scout is not None and self.scout.detector is not None:
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    self._agreement_group = dist.new_group(backend="gloo")
+                self.ledger = CertificationLedger(1, self.manager.store, group=self._agreement_group,
+                                                  durable=durable_checkpoint)
+                self.manager.protected_steps = self._protected_steps
+            elif durable_checkpoint is not None:
+                raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
+                                 "accepted replay check at each checkpoint boundary)")
             adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
                                           self._before_forward))
         except BaseException:
@@ -115,13 +149,15 @@ class ResiliencySession:
         """Collective: load the newest state every rank can load, else call `load_fallback`.
         Sets and returns `step_count` (None when starting fresh)."""
         step = None
+        verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
+            self.ledger is not None and self.ledger.requires_verified_recovery)
         if self.manager is not None:
-            if self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED:
-                raise RecoveryUnavailable(
-                    "recovery_mode=RECOVERY_VERIFIED needs a SCOUT-certified checkpoint, and none exists "
-                    "for this run; refusing to load an uncertified one or to call the unconstrained "
-                    "load_fallback. Restore a verified durable checkpoint explicitly.")
-            step = self.manager.find_latest()
+            if verified_only:
+                step = self._find_verified()
+                if step is None:
+                    return self._recover_verified_durable()
+            else:
+                step = self.manager.find_latest()
         if step is not None:
             state = self.manager.load()
             self.adapter.load_framework_state(state["framework"])
@@ -131,6 +167,8 @@ class ResiliencySession:
                 self._load_extra_state_fn(state["extra"])
             self.step_count = step
             self.recovered_from = "gemini"
+            if self.ledger is not None:
+                self.ledger.resume_from(step)
             logger.info("lm-resiliency: resumed from GEMINI step %d (%s)", step, self.adapter.describe())
             return step
         if self._load_fallback is not None:
@@ -142,6 +180,32 @@ class ResiliencySession:
             return self.step_count
         return None
 
+    def _find_verified(self) -> Optional[int]:
+        verified = self.ledger.verified_steps() if self.ledger is not None else []
+        return self.manager.find_latest(allowed_steps=verified) if verified else None
+
+    def _recover_verified_durable(self) -> int:
+        """No RECOVERY_VERIFIED GEMINI state: only a certified durable checkpoint may be loaded."""
+        if self.ledger is None or self._durable is None:
+            raise RecoveryUnavailable(
+                "recovery needs a RECOVERY_VERIFIED checkpoint (recovery_mode=RECOVERY_VERIFIED or SDC was "
+                "detected), and this run has none in GEMINI and no durable_checkpoint= to certify one; refusing "
+                "to load an uncertified state or to call the unconstrained load_fallback")
+        with self.checkpoint_io("read", name="verified_durable"):
+            step = self.ledger.load_verified_durable()
+        self.step_count = step
+        self.recovered_from = "durable"
+        return step
+
+    def _protected_steps(self) -> set:
+        """GEMINI must keep the shards of certified and candidate steps when it prunes."""
+        if self.ledger is None:
+            return set()
+        steps = set(self.ledger.verified_steps())
+        if self.ledger.candidate_step is not None:
+            steps.add(self.ledger.candidate_step)
+        return steps
+
     # ------------------------------------------------------------- step hooks
 
     def _capture_due(self) -> bool:
@@ -149,18 +213,72 @@ class ResiliencySession:
 
     def _before_optimizer_step(self) -> None:
         self._finish_pending_capture()
+        if self.scout is not None:
+            result = self.scout.before_optimizer_step(self.step_count + 1)
+            if result is not None:
+                self._note_replay_result(result)
         if self.manager is not None:
             self.manager.maybe_wait()
 
     def _after_optimizer_step(self) -> None:
         with self._lock:
             self.step_count += 1
-            if self._capture_due():
-                self._pending = {"step": self.step_count, "rng": capture_rng()}
+            if self.scout is not None:
+                self.scout.after_optimizer_step(self.step_count)
+            if not self._capture_due():
+                return
+            if self.ledger is not None:
+                # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank.
+                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True)
+                self._boundary_verdict = "incomplete"
+                if not decision.capture:
+                    logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
+                    return
+            self._pending = {"step": self.step_count, "rng": capture_rng()}
 
     def _before_forward(self) -> None:
         if self._pending is not None:
             self._finish_pending_capture()
+        if self.scout is not None:
+            self.scout.before_forward(self.step_count + 1)
+
+    def _note_replay_result(self, result: ReplayResult) -> None:
+        self.last_replay_result = result
+        verdict = verdict_of(result)
+        if self._boundary_verdict == "incomplete" or \
+                _VERDICT_SEVERITY.index(verdict) < _VERDICT_SEVERITY.index(self._boundary_verdict):
+            self._boundary_verdict = verdict
+        if result.healthy:
+            return
+        if self._fault_callback is not None:
+            self._fault_callback(result)
+        if isinstance(self._orchestration, OrchestrationHooks):
+            dispatch_replay_faults(result, self._orchestration,
+                                   topology=self.manager.topology if self.manager else None,
+                                   step_source=self._local_checkpoint)
+
+    def _local_checkpoint(self, mode: RecoveryMode) -> tuple:
+        """Rank-local, non-collective: the checkpoint a restart in `mode` would use."""
+        if self.manager is None:
+            return None, None
+        if mode is RecoveryMode.RECOVERY_VERIFIED:
+            verified = self.ledger.verified_steps() if self.ledger is not None else []
+            return (verified[0], "node_local") if verified else (None, None)
+        if self.manager.latest_step >= 0:
+            return self.manager.latest_step, "memory"
+        disk = [k.step for k in self.manager.store.list_shards() if k.kind == "own"]
+        return (max(disk), "node_local") if disk else (None, None)
+
+    def _on_oob_report(self, report: SCOUTFaultReport) -> None:
+        """Runs on the monitor thread: never touches the (possibly blocked) training process group."""
+        decision = self._decide(report.kind if report.kind != "hang" else "hang", all_ranks_accessible=True)
+        hooks = self._orchestration
+        if getattr(hooks, "report_recovery", None) is not None:
+            hooks.report_recovery(decision)
+        if getattr(hooks, "report_fault", None) is not None:
+            hooks.report_fault(report)
+        if self._oob_fault_callback is not None:
+            self._oob_fault_callback(report)
 
     def _finish_pending_capture(self) -> None:
         with self._lock:
@@ -175,15 +293,22 @@ class ResiliencySession:
     # -------------------------------------------------------------- lifecycle
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
-        """Returns `dataloader` unchanged: DataLoader stall detection belongs to SCOUT."""
-        return dataloader
+        """Wrap `dataloader` so SCOUT's out-of-band monitor sees stalled `next()` calls. Instrument it
+        before creating its long-lived iterator. Returned unchanged when SCOUT is disabled."""
+        if self.scout is None:
+            return dataloader
+        return self.scout.instrument_dataloader(dataloader, name)
 
     @contextlib.contextmanager
     def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
         """Marks a framework checkpoint read or write (for out-of-band stall localization)."""
         if kind not in ("read", "write"):
             raise ValueError(f"checkpoint_io(kind=...): expected 'read' or 'write', got {kind!r}")
-        yield
+        if self.scout is None:
+            yield
+            return
+        with self.scout.checkpoint_io(kind, name):
+            yield
 
     def flush_for_restart(self) -> int:
         """Complete any pending capture and write the newest recoverable state to node-local disk.
@@ -229,23 +354,22 @@ class ResiliencySession:
 
     def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision:
         """Select latest or recovery-verified trust for `failure` (rank-local, non-collective) and
-        hand the decision to orchestration."""
+        hand the decision to orchestration. A hang or uncertain failure has no full replay sweep
+        to rely on here, so it selects RECOVERY_VERIFIED (missing evidence is not clean evidence)."""
+        decision = self._decide(failure, all_ranks_accessible)
+        report = getattr(self._orchestration, "report_recovery", None)
+        if report is not None:
+            report(decision)
+        return decision
+
+    def _decide(self, failure: str, all_ranks_accessible: bool) -> RecoveryDecision:
         mode, reason = select_mode(failure, all_ranks_accessible=all_ranks_accessible)
-        step, source = None, None
-        if mode is RecoveryMode.LATEST and self.manager is not None:
-            step = self.manager.latest_step if self.manager.latest_step >= 0 else None
-            source = "memory" if step is not None else None
-            if step is None:
-                disk = [k.step for k in self.manager.store.list_shards() if k.kind == "own"]
-                step, source = (max(disk), "node_local") if disk else (None, None)
+        step, source = self._local_checkpoint(mode)
         decision = RecoveryDecision(
             failure=str(failure), mode=mode.value, source=source, step=step, durable_checkpoint_id=None,
             topology=self.manager.topology if self.manager else None, available=step is not None,
             reason=reason, ranks=(dist.get_rank(),) if dist.is_initialized() else (0,))
         self.last_recovery_decision = decision
-        report = getattr(self._orchestration, "report_recovery", None)
-        if report is not None:
-            report(decision)
         return decision
 
     def close(self) -> None:
@@ -262,8 +386,16 @@ class ResiliencySession:
             logger.exception("lm-resiliency: could not complete the last capture at close()")
         finally:
             self.adapter.remove()
+            if self.scout is not None:
+                self.scout.close()
             if self.manager is not None:
                 self.manager.close()
+            if self._agreement_group is not None and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(self._agreement_group)
+                except (RuntimeError, ValueError) as exc:
+                    logger.debug("lm-resiliency: agreement group already gone: %s", exc)
+            self._agreement_group = None
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy"])
 
 
 class RankFailure(AssertionError):

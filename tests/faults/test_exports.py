@@ -69,11 +69,6 @@ def test_kit_exports_every_name_of_the_guide_table():
         assert name in faults_pkg.__all__
 
 
-def _root_wired() -> bool:
-    return all(hasattr(lm_resiliency, n) for n in faults_pkg.STABLE_EXPORTS)
-
-
-@pytest.mark.skipif(not _root_wired(), reason="package-root re-exports of the kit are not wired yet")
 def test_guide_example_runs_verbatim_from_the_package_root():
     for name in faults_pkg.STABLE_EXPORTS:
         assert getattr(lm_resiliency, name) is getattr(faults_pkg, name)

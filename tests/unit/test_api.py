@@ -28,10 +28,14 @@ def _lm_threads():
 
 
 def test_package_root_exports_exactly_the_stable_names_that_exist():
-    assert sorted(lm_resiliency.__all__) == [
-        "FrameworkName", "InMemoryCkptConfig", "RecoveryDecision", "RecoveryDecisionCallback",
-        "RecoveryMode", "ResiliencyHandle", "ResiliencySession", "enable_resiliency", "estimate_chunk_size",
-    ]
+    from lm_resiliency.faults import STABLE_EXPORTS
+
+    stable = {"enable_resiliency", "FrameworkName", "ResiliencySession", "ResiliencyHandle",
+              "InMemoryCkptConfig", "ReplayHarnessConfig", "DurableCheckpointConfig",
+              "CallbackDurableCheckpointAdapter", "SCOUTFaultReport", "SCOUTFaultCallback",
+              "OrchestrationHooks", "replay_fault_reports", "RecoveryDecision", "RecoveryDecisionCallback",
+              "RecoveryMode", "estimate_chunk_size"} | set(STABLE_EXPORTS)
+    assert sorted(lm_resiliency.__all__) == sorted(stable) and len(lm_resiliency.__all__) == len(stable)
     for name in lm_resiliency.__all__:
         assert getattr(lm_resiliency, name) is not None
 
@@ -128,7 +132,7 @@ def test_load_fallback_runs_exactly_when_no_gemini_state(tmp_path):
 
 def test_recovery_verified_without_certified_state_fails_closed(tmp_path):
     model, optimizer = _objects()
-    with pytest.raises(RecoveryUnavailable, match="needs a SCOUT-certified checkpoint"):
+    with pytest.raises(RecoveryUnavailable, match="recovery needs a RECOVERY_VERIFIED checkpoint"):
         enable_resiliency(model, optimizer, checkpoint=_config(tmp_path),
                           recovery_mode=RecoveryMode.RECOVERY_VERIFIED, load_fallback=lambda: 0)
     assert not _lm_threads()
@@ -187,3 +191,33 @@ def test_interpreter_exit_without_close_is_clean(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["done", "threads at exit: []"]
+
+
+def test_capture_is_not_torn_by_buffers_changed_in_the_next_forward(tmp_path):
+    """BatchNorm statistics change inside the forward that runs while the capture copies."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = enable_resiliency(model, optimizer, interval=2, enable_detection=False,
+                                checkpoint=_config(tmp_path, disk_flush_interval=1))
+    expected = None
+    for step in range(1, 4):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 4))
+    session.close()
+    manager_state = enable_resiliency(*_objects_bn(), interval=2, enable_detection=False,
+                                      checkpoint=_config(tmp_path))
+    recovered = manager_state.adapter.module.state_dict()
+    assert manager_state.step_count == 2
+    for name, value in expected.items():
+        assert torch.equal(recovered[name], value), name
+    manager_state.close()
+
+
+def _objects_bn():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)

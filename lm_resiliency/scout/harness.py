@@ -1,0 +1,135 @@
+"""ScoutHarness: every SCOUT component one training run needs, driven by the session.
+
+Per optimizer step k:
+  before the forward of k   `before_forward(k)`        arm replay capture if a check is due
+  after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
+                                                       collective probe -> ReplayResult
+  after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor
+The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
+the training thread is stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import wire
+from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
+from lm_resiliency.scout.monitor import OOBMonitor, ProgressBeacon
+from lm_resiliency.scout.peers import dense_peer_groups
+from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
+from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
+from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
+from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
+
+logger = logging.getLogger(__name__)
+
+
+class ScoutHarness:
+    """Collective to construct (creates gloo subgroups in the same order on every rank)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: ReplayHarnessConfig, *,
+                 on_oob_report: Callable[[SCOUTFaultReport], None], sharded: bool = False,
+                 probe_collectives: bool = True) -> None:
+        self.config = config
+        self.beacon = ProgressBeacon()
+        self.detector: Optional[ReplayDetector] = None
+        self.monitor: Optional[OOBMonitor] = None
+        self._probe: Optional[CollectiveProbe] = None
+        self._trace = None
+        self._groups: List[Any] = []
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        hosts = self._hosts(distributed)
+        group_ranks = [self.rank]
+        replay_group = None
+        if self.world_size > 1:
+            for ranks in dense_peer_groups(self.world_size):
+                created = dist.new_group(ranks, backend="gloo")
+                self._groups.append(created)
+                if self.rank in ranks:
+                    replay_group, group_ranks = created, list(ranks)
+        if sharded:
+            logger.warning("SCOUT: replay of FSDP2/HSDP-sharded modules is not supported yet; SDC replay "
+                           "checks are off for this model (stragglers and the out-of-band monitor stay on)")
+        else:
+            try:
+                self.detector = ReplayDetector(model, optimizer, config, group=replay_group,
+                                               group_ranks=group_ranks)
+            except ReplayUnsupportedError as exc:
+                logger.warning("SCOUT: replay checks disabled: %s", exc)
+        self.compute = ComputeStragglerDetector(config, group_ranks, hosts)
+        self.communication = CommunicationStragglerLocalizer(config, hosts)
+        if self.world_size > 2 and probe_collectives:
+            self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
+        if distributed:
+            store = dist.distributed_c10d._get_default_store()
+            self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,
+                                      on_report=on_oob_report, host=hosts.get(self.rank)).start()
+            self._trace = trace_collectives(self.beacon)
+
+    def _hosts(self, distributed: bool) -> Dict[int, str]:
+        host = socket.gethostname()
+        if not distributed:
+            return {0: host}
+        return {rank: name for rank, name in enumerate(wire.all_gather_json(host))}
+
+    def before_forward(self, step: int) -> None:
+        if self.detector is not None and self.detector.checks_due(step):
+            self.detector.arm(step)
+
+    def check_due(self, step: int) -> bool:
+        return self.detector is not None and bool(self.detector.checks_due(step))
+
+    def before_optimizer_step(self, step: int) -> Optional[ReplayResult]:
+        """Run the checks due at `step` (collective). None when nothing was due."""
+        if not self.check_due(step):
+            return None
+        with self.beacon.track("scout_replay", step):
+            result = self.detector.run(step)
+        findings = []
+        timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding")
+                        and c.timings_s), None)
+        if timings and len(timings) >= 3:
+            findings += self.compute.observe(timings)
+        if self._probe is not None:
+            with self.beacon.track("scout_probe", step):
+                findings += self.communication.observe(self._probe.measure())
+        return ReplayResult(step, result.checks, tuple(findings))
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.beacon.progress(step)
+
+    def instrument_dataloader(self, dataloader: Any, name: str) -> Any:
+        return instrument_dataloader(dataloader, self.beacon, name)
+
+    def checkpoint_io(self, kind: str, name: str) -> Any:
+        return checkpoint_io(self.beacon, kind, name)
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.remove()
+            self._trace = None
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+        if self.detector is not None:
+            self.detector.close()
+            self.detector = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        for group in self._groups:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError) as exc:
+                    logger.debug("SCOUT: replay group already gone: %s", exc)
+        self._groups = []
