@@ -28,6 +28,9 @@ class InMemoryCkptConfig:
     """GEMINI in-memory checkpoint configuration (see docs/gemini.md).
 
     `timeout_s` bounds every replication send/receive, store read and background wait.
+    `host_memory` places the host slots: "shared" (default) in node-owned shared memory under
+    `shared_memory_dir` (default /dev/shm/lm-resiliency-<uid>), so they survive a worker crash;
+    "heap" in the worker's own memory (they die with it). See docs/gemini.md.
     """
 
     enable: bool = True
@@ -41,6 +44,8 @@ class InMemoryCkptConfig:
     skip_replication_if_hsdp: bool = True
     pin_memory: bool = True
     timeout_s: float = 300.0
+    host_memory: str = "shared"
+    shared_memory_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -62,6 +67,13 @@ class InMemoryCkptConfig:
                  f"must be a non-empty path, got {self.disk_folder!r}")
         _require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
                  name, "run_id", f"must be None or a non-empty string, got {self.run_id!r}")
+        _require(isinstance(self.host_memory, str) and self.host_memory in ("shared", "heap"),
+                 name, "host_memory", f"must be 'shared' or 'heap', got {self.host_memory!r}")
+        _require(self.shared_memory_dir is None
+                 or (isinstance(self.shared_memory_dir, str) and self.shared_memory_dir.strip() != ""),
+                 name, "shared_memory_dir",
+                 f"must be None (default /dev/shm/lm-resiliency-<uid>) or a non-empty path, "
+                 f"got {self.shared_memory_dir!r}")
         _require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                  and math.isfinite(self.timeout_s) and self.timeout_s > 0, name, "timeout_s",
                  f"must be a positive, finite number of seconds, got {self.timeout_s!r}")

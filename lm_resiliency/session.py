@@ -198,10 +198,11 @@ class ResiliencySession:
         return step
 
     def _protected_steps(self) -> set:
-        """GEMINI must keep the shards of certified and candidate steps when it prunes."""
+        """GEMINI keeps the newest RECOVERY_VERIFIED step and the candidate when it prunes (older
+        verified steps stay in the trust history but may lose their shards)."""
         if self.ledger is None:
             return set()
-        steps = set(self.ledger.verified_steps())
+        steps = set(self.ledger.verified_steps()[:1])
         if self.ledger.candidate_step is not None:
             steps.add(self.ledger.candidate_step)
         return steps

@@ -4,18 +4,24 @@ Threads: the training thread only encodes the state and launches copies. A captu
 finishes the copy and publishes the own slot, a replication worker exchanges it with the
 peer, and a flush worker writes completed slots to node-local disk. Failures in any of
 them are raised at the next `maybe_wait()` or `save()`.
+
+Host slots live in node-owned shared memory by default (`InMemoryCkptConfig.host_memory`,
+see shm.py): a worker that is SIGKILLed leaves its READY slots behind, and the next worker
+process of the same rank, run and topology on that node adopts them at construction, so
+`find_latest()` counts them as memory availability and `load()` never touches the disk.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import sys
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,7 @@ from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
 from lm_resiliency.gemini.replication import Pairing, PeerReplicator, resolve_jump
 from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
+from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
 from lm_resiliency.gemini.workers import BackgroundError, Worker
@@ -34,6 +41,7 @@ from lm_resiliency.gemini.workers import BackgroundError, Worker
 logger = logging.getLogger(__name__)
 
 _KEEP_GENERATIONS = 2
+KEEP_SHARED_ENV = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
 
 
 class RecoveryUnavailable(RuntimeError):
@@ -47,6 +55,7 @@ class InMemoryCheckpointManager:
     `topology` is an adapter-provided JSON description of this rank's place in the
     parallel layout; it becomes part of the job-wide fingerprint that shards are bound to.
     `replicate=False` keeps two own slots only (HSDP replicas already hold the state).
+    `allocator`, when given, replaces the host-slot allocator (heap semantics: no shared memory).
     """
 
     def __init__(self, config: Optional[InMemoryCkptConfig] = None, *,
@@ -60,11 +69,18 @@ class InMemoryCheckpointManager:
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
         self._send_error: Optional[BaseException] = None
+        # Steps whose shards pruning must keep (set by the session from the trust ledger).
+        self.protected_steps: Callable[[], Iterable[int]] = tuple
         self._previous_excepthook = sys.excepthook
+        self._arena: Optional[SharedSlotArena] = None
+        self._heap_bytes: Dict[str, int] = {}
+        self._verified: set = set()
+        self._keep_shared = False  # set when this process ends abnormally (signal, uncaught exception)
+        self.recovery_sources: Dict[str, str] = {}
         try:
             self._setup(topology, replicate, allocator, install_signal_handlers)
         except BaseException:
-            self.close()
+            self.close(keep_shared=True)  # a failed start never destroys a predecessor's slots
             raise
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -88,8 +104,16 @@ class InMemoryCheckpointManager:
         self.store = NodeLocalStore(self.config.disk_folder, self.run_id, self.topology, self.rank,
                                     verify_integrity=self.config.verify_integrity, timeout_s=timeout)
         allocate = allocator or heap_allocator(self.config.pin_memory)
-        self._own = SlotPair("own", allocate, timeout)
-        self._peer = SlotPair("peer", allocate, timeout) if self.pairing else None
+        if allocator is None and self.config.host_memory == "shared":
+            self._arena = self._open_arena()
+        if self._arena is not None:
+            allocate = self._arena.allocate
+        else:
+            allocate = self._counting(allocate)
+        self._own = SlotPair("own", allocate, timeout, mirror=self._arena)
+        self._peer = SlotPair("peer", allocate, timeout, mirror=self._arena) if self.pairing else None
+        if self._arena is not None:
+            self._adopt_predecessor_slots()
         self._replicator = (PeerReplicator(self._group, self.rank, self.pairing,
                                            self.config.replication_chunk_size, timeout)
                             if self.pairing else None)
@@ -103,6 +127,44 @@ class InMemoryCheckpointManager:
         self._workers = [self._capture_worker, self._replication_worker, self._flush_worker]
         if install_signal_handlers:
             self._install_signal_handlers()
+
+    # ------------------------------------------------------------- host memory
+
+    def _open_arena(self) -> Optional[SharedSlotArena]:
+        arena, reason = open_arena(
+            self.config.shared_memory_dir, self.run_id, self.topology, self.rank,
+            series=self.config.disk_folder, verify_integrity=self.config.verify_integrity,
+            pin_memory=self.config.pin_memory,
+            peer_owner=self.pairing.recv_from if self.pairing else None)
+        if arena is None:
+            logger.warning("GEMINI: rank %d cannot use node-owned shared memory for host slots (%s); "
+                           "falling back to process heap slots, which do not survive a worker crash "
+                           "(recovery after a crash then uses peer replicas and node-local disk). Set "
+                           "InMemoryCkptConfig.host_memory='heap' to silence this.", self.rank, reason)
+        return arena
+
+    def _counting(self, allocate: Allocator) -> Allocator:
+        def counted(name: str, nbytes: int):
+            buffer = allocate(name, nbytes)
+            self._heap_bytes[name] = buffer.numel()
+            logger.info("GEMINI: rank %d slot %s: %d bytes of heap memory; rank total %d bytes in %d "
+                        "of 4 slots", self.rank, name, buffer.numel(), sum(self._heap_bytes.values()),
+                        len(self._heap_bytes))
+            return buffer
+        return counted
+
+    def _adopt_predecessor_slots(self) -> None:
+        for found in self._arena.adopt():
+            pair = self._own if found.name.startswith("own") else self._peer
+            pair.adopt(found.name, found.buffer, found.layout, found.structure, found.step,
+                       found.owner_rank, found.extra, found.crc32, found.predecessor_pid)
+
+    def host_memory(self) -> HostMemoryReport:
+        """Host-slot memory of this rank: mode ("shared" or "heap"), directory, bytes per slot
+        (at most 4 slots: own and peer, current and previous)."""
+        if self._arena is not None:
+            return self._arena.report()
+        return HostMemoryReport("heap", None, dict(self._heap_bytes))
 
     # ----------------------------------------------------------------- capture
 
@@ -175,7 +237,7 @@ class InMemoryCheckpointManager:
             self._write_slot("own", own)
             if peer is not None:
                 self._write_slot("peer", peer)
-            self._prune_and_publish_status(own.step)
+            self._prune()
         finally:
             self._own.release(own)
             if peer is not None:
@@ -185,22 +247,29 @@ class InMemoryCheckpointManager:
         key = ShardKey(kind, slot.owner_rank, slot.step)
         self.store.write_shard(key, slot.layout, slot.structure, slot.payload(), extra=slot.extra)
 
-    def _prune_and_publish_status(self, step: int) -> None:
+    def _prune(self) -> None:
+        """Keep the newest generations and every step trust depends on (`protected_steps`).
+        The status sidecar is not written here: it belongs to the trust ledger."""
         keys = self.store.list_shards()
-        keep = set()
+        protected = set(self.protected_steps())
+        keep = {k for k in keys if k.step in protected}
         for kind in ("own", "peer"):
             keep.update([k for k in keys if k.kind == kind][:_KEEP_GENERATIONS])
         self.store.prune(keep)
-        self.store.write_status({"latest_step": step,
-                                 "own_steps": sorted(k.step for k in keep if k.kind == "own")})
 
     def flush_now(self) -> int:
         """Synchronously write the newest complete own (and peer) slots; returns the step or -1.
 
-        Used by the SIGTERM/SIGINT handler and `flush_for_restart()`."""
+        Used by the SIGTERM/SIGINT handler and `flush_for_restart()`. Waits (bounded) for the
+        newest capture's replication so the held replica of the same step is written too."""
         if self._closed:
             return -1
-        self._capture_done.wait(self.config.timeout_s)
+        if not self._capture_done.wait(self.config.timeout_s):
+            logger.error("GEMINI flush: the current capture did not complete in %ss; flushing the previous one",
+                         self.config.timeout_s)
+        elif not self._replication_worker.wait_idle(self.config.timeout_s):
+            logger.error("GEMINI flush: replication did not finish in %ss; the replica may be older",
+                         self.config.timeout_s)
         own = self._own.ready_slots()
         if not own:
             return -1
@@ -218,14 +287,15 @@ class InMemoryCheckpointManager:
                     self._write_slot("peer", peers[0])
                 finally:
                     self._peer.release(peers[0])
-        self._prune_and_publish_status(slot.step)
+        self._prune()
         return slot.step
 
     # --------------------------------------------------------------- recovery
 
-    def find_latest(self, step: Optional[int] = None) -> Optional[int]:
+    def find_latest(self, step: Optional[int] = None, allowed_steps: Optional[Iterable[int]] = None) -> Optional[int]:
         """Collective: the newest step every rank can load (own memory, peer replica, node-local
-        disk), or None. With `step`, only that exact step is considered."""
+        disk), or None. With `step`, only that exact step is considered; with `allowed_steps`
+        (e.g. RECOVERY_VERIFIED steps), only those."""
         self._check_usable()
         self._drain()
         self._release_sources()
@@ -233,7 +303,9 @@ class InMemoryCheckpointManager:
         while True:
             reports = wire.all_gather_json(report, self._group)
             holder_of = (lambda owner: self.pairing.holder_of(owner, self.world_size)) if self.pairing else None
-            plan = choose_plan(reports, holder_of, exact_step=step)
+            plan = choose_plan(reports, holder_of, exact_step=step, allowed_steps=allowed_steps)
+            if plan is not None:
+                plan = self._prefer_memory(plan, reports)
             if plan is None:
                 self._plan = None
                 if step is not None:
@@ -250,11 +322,12 @@ class InMemoryCheckpointManager:
                             else f"rank {plan.sources[self.rank]}")
                 return plan.step
             for kind, owner, bad_step in failed:
-                if kind == "own":
-                    report["own"] = [s for s in report["own"] if s != bad_step]
-                else:
-                    held = report["held"].get(str(owner), [])
-                    report["held"][str(owner)] = [s for s in held if s != bad_step]
+                for part in (report, report["memory"]):
+                    if kind == "own":
+                        part["own"] = [s for s in part["own"] if s != bad_step]
+                    else:
+                        held = part["held"].get(str(owner), [])
+                        part["held"][str(owner)] = [s for s in held if s != bad_step]
 
     def load(self) -> Optional[Any]:
         """Collective: the state selected by `find_latest()` (tensors owned by the caller), or None
@@ -282,18 +355,36 @@ class InMemoryCheckpointManager:
             self._release_sources()
             self._plan = None
 
+    def _prefer_memory(self, plan: RecoveryPlan, reports: list) -> RecoveryPlan:
+        """Within the chosen step, each rank's state comes from its own memory, else from its
+        peer's memory, else from its own node-local disk, else from the peer's disk. A pure
+        function of the gathered reports, so every rank derives the same plan."""
+        if self.pairing is None:
+            return plan
+        sources = dict(plan.sources)
+        for owner, source in plan.sources.items():
+            if source != owner or plan.step in reports[owner]["memory"]["own"]:
+                continue
+            holder = self.pairing.holder_of(owner, self.world_size)
+            if plan.step in reports[holder]["memory"]["held"].get(str(owner), []):
+                sources[owner] = holder
+        return RecoveryPlan(plan.step, sources)
+
     def _local_availability(self) -> dict:
         own = {s.step for s in self._own.ready_slots()}
         held: Dict[int, set] = {}
         if self._peer is not None:
             for slot in self._peer.ready_slots():
                 held.setdefault(slot.owner_rank, set()).add(slot.step)
+        memory = availability_report(own, held)  # this process's slots and adopted shared ones
         for key in self.store.list_shards():
             if key.kind == "own":
                 own.add(key.step)
             else:
                 held.setdefault(key.owner_rank, set()).add(key.step)
-        return availability_report(own, held)
+        report = availability_report(own, held)
+        report["memory"] = memory
+        return report
 
     def _validate(self, plan: RecoveryPlan) -> list:
         """Load-check everything this rank must provide for `plan`; returns failed items."""
@@ -302,21 +393,43 @@ class InMemoryCheckpointManager:
         if plan.sources[self.rank] == self.rank:
             needs.append(("own", self.rank))
         needs += [("held", owner) for holder, owner in plan.transfers() if holder == self.rank]
+        self.recovery_sources = {}
         for kind, owner in needs:
             pair = self._own if kind == "own" else self._peer
             slots = [s for s in pair.ready_slots() if s.step == plan.step and s.owner_rank == owner] \
                 if pair is not None else []
+            if slots and not self._adopted_slot_intact(pair, slots[0]):
+                slots = []  # corrupt shared slot: the node-local disk may still hold this step
             if slots:
                 pair.acquire(slots[0])
                 self._sources[f"{kind}:{owner}"] = (pair, slots[0])
+                self.recovery_sources[f"{kind}:{owner}"] = (
+                    "memory" if slots[0].adopted_from is None else "shared-memory")
                 continue
             key = ShardKey("own" if kind == "own" else "peer", owner, plan.step)
             try:
                 self._sources[f"{kind}:{owner}"] = self.store.read_shard(key)
+                self.recovery_sources[f"{kind}:{owner}"] = "disk"
             except ShardRejected as exc:
                 logger.warning("GEMINI: skipping step %d for rank %d: %s", plan.step, owner, exc)
                 failed.append([kind, owner, plan.step])
         return failed
+
+    def _adopted_slot_intact(self, pair: SlotPair, slot: HostSlot) -> bool:
+        """A predecessor's slot was identity- and size-checked when adopted; with
+        verify_integrity its CRC-32 is also checked here, once, before it may be used."""
+        if slot.adopted_from is None or not self.config.verify_integrity or self._arena is None:
+            return True
+        if (slot.name, slot.step) in self._verified:
+            return True
+        reason = self._arena.verify(slot.name)
+        if reason is None:
+            self._verified.add((slot.name, slot.step))
+            return True
+        logger.warning("GEMINI: rank %d refuses shared slot %s (step %d): %s", self.rank, slot.name,
+                       slot.step, reason)
+        pair.invalidate(slot)
+        return False
 
     def _source_parts(self, name: str) -> tuple:
         source = self._sources[name]
@@ -328,9 +441,18 @@ class InMemoryCheckpointManager:
     def _own_source(self) -> tuple:
         name = f"own:{self.rank}"
         layout, structure, payload = self._source_parts(name)
-        if not isinstance(self._sources[name], Shard):
-            # A memory slot is reused by the next capture; the caller gets its own copy.
-            payload = payload.clone()
+        source = self._sources[name]
+        if not isinstance(source, Shard):
+            # A memory slot is reused by the next capture; the caller gets its own copy: for a
+            # shared slot a copy-on-write private mapping of it (no bytes copied here), and the
+            # slot's next capture goes to a fresh segment; for a heap slot a clone.
+            pair, slot = source
+            private = self._arena.private_view(slot.name, slot.buffer) if self._arena is not None else None
+            if private is not None:
+                pair.lend(slot)
+                payload = private[: layout.total_bytes]
+            else:
+                payload = payload.clone()
         return layout, structure, layout.views(payload)
 
     def _send_replicas(self, plan: RecoveryPlan) -> None:
@@ -389,7 +511,9 @@ class InMemoryCheckpointManager:
 
     def _on_uncaught_exception(self, exc_type, exc, tb) -> None:
         """A rank dying of an exception (often: its peer crashed mid-collective) still leaves its
-        newest capture and the replica it holds on disk for the restart."""
+        newest capture and the replica it holds on disk for the restart. Its shared-memory slots
+        are kept for the restart too, whoever closes the manager later (atexit, a session)."""
+        self._keep_shared = True
         try:
             step = self.flush_now()
             logger.warning("GEMINI: uncaught %s: flushed step %d to %s", exc_type.__name__, step,
@@ -405,17 +529,30 @@ class InMemoryCheckpointManager:
         except Exception:  # noqa: BLE001 - the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
-        self.close()
+        self.close(keep_shared=True)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
-    def close(self) -> None:
-        """Finish background work (bounded), release the process group. Idempotent."""
+    def close(self, keep_shared: Optional[bool] = None) -> None:
+        """Finish background work (bounded), release the process group and the host slots.
+        Idempotent.
+
+        Shared-memory slots (`host_memory="shared"`) are removed when `keep_shared` is False:
+        the clean end of the last run generation. They are kept for a restart of the same run
+        when `keep_shared` is True, which a SIGTERM/SIGINT does implicitly. With the default
+        None they are kept only if this process is ending abnormally (a signal or an uncaught
+        exception reached the manager) or the environment variable
+        LM_RESILIENCY_KEEP_SHARED_MEMORY=1 is set (how a supervisor that restarts workers
+        keeps them across a planned stop). A SIGKILLed worker leaves them regardless; the next
+        run with another run id reaps them.
+        """
         if self._closed:
             return
+        if keep_shared is None:
+            keep_shared = self._keep_shared or os.environ.get(KEEP_SHARED_ENV, "") not in ("", "0")
         self._closed = True
         for signum, previous in self._previous_handlers.items():
             if signal.getsignal(signum) == self._on_signal:
@@ -427,6 +564,14 @@ class InMemoryCheckpointManager:
             if not worker.stop(self.config.timeout_s):
                 logger.error("GEMINI %s worker did not stop within %ss", worker.name, self.config.timeout_s)
         self._release_sources()
+        for pair in (getattr(self, "_own", None), getattr(self, "_peer", None)):
+            if pair is not None:
+                pair.drop_buffers()
+        if self._arena is not None:
+            try:
+                self._arena.close(keep=bool(keep_shared))
+            except OSError as exc:
+                logger.warning("GEMINI: closing shared-memory slots failed: %s", exc)
         if self._group is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group(self._group)
@@ -437,8 +582,8 @@ class InMemoryCheckpointManager:
     def __enter__(self) -> "InMemoryCheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(keep_shared=True if exc_type is not None else None)
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:

@@ -9,7 +9,7 @@ part of the job has is never chosen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ def availability_report(own_steps, held: Dict[int, list]) -> dict:
 
 
 def choose_plan(reports: List[dict], holder_of: Optional[Callable[[int], int]],
-                exact_step: Optional[int] = None) -> Optional[RecoveryPlan]:
+                exact_step: Optional[int] = None,
+                allowed_steps: Optional[Iterable[int]] = None) -> Optional[RecoveryPlan]:
     """The newest step every rank can load, preferring each rank's own copy over its replica."""
     world = len(reports)
     own = [set(r["own"]) for r in reports]
@@ -35,6 +36,8 @@ def choose_plan(reports: List[dict], holder_of: Optional[Callable[[int], int]],
     candidates = set().union(*own, *(s for h in held for s in h.values()))
     if exact_step is not None:
         candidates &= {exact_step}
+    if allowed_steps is not None:
+        candidates &= set(allowed_steps)
     for step in sorted(candidates, reverse=True):
         sources = {}
         for rank in range(world):

@@ -5,6 +5,11 @@ current, so the completed current copy stays intact while the next one is writte
 roles swap only when the new copy is complete. A buffer that a replication send or a disk
 flush is reading is pinned by a reader count and is never handed out for writing until
 those readers release it.
+
+An optional `SlotMirror` (the node-owned shared-memory arena, see shm.py) makes a slot's
+READY state visible to a successor process: `retract` runs before a buffer is rewritten,
+`publish` after it is completely written. A predecessor's READY slots enter a pair through
+`adopt`.
 """
 
 from __future__ import annotations
@@ -12,13 +17,24 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from lm_resiliency.gemini.codec import Layout
 
 Allocator = Callable[[str, int], torch.Tensor]
+
+
+class SlotMirror(Protocol):
+    """Out-of-process READY state of host slots (implemented by `shm.SharedSlotArena`)."""
+
+    def retract(self, name: str) -> None:
+        """Called before the slot's buffer is overwritten; must not return before it is un-READY."""
+
+    def publish(self, slot: "HostSlot", step: int, structure: Any, owner_rank: int,
+                extra: Optional[dict]) -> None:
+        """Called once the slot's payload is completely written, before it becomes current."""
 
 
 @dataclass
@@ -34,6 +50,12 @@ class HostSlot:
     extra: dict = field(default_factory=dict)
     ready: bool = False
     readers: int = 0
+    crc32: Optional[int] = None
+    # PID of the dead predecessor process whose shared slot this is (None: written here).
+    adopted_from: Optional[int] = None
+    # The buffer's pages are also mapped copy-on-write into state handed to the caller: the
+    # next write must go to a fresh buffer, never into these pages.
+    lent: bool = False
 
     def payload(self) -> torch.Tensor:
         assert self.buffer is not None and self.layout is not None
@@ -43,11 +65,13 @@ class HostSlot:
 class SlotPair:
     """Current/previous pair over two buffers with reader pinning. Thread-safe."""
 
-    def __init__(self, role: str, allocator: Allocator, timeout_s: float) -> None:
+    def __init__(self, role: str, allocator: Allocator, timeout_s: float,
+                 mirror: Optional[SlotMirror] = None) -> None:
         self.role = role
         self._slots = (HostSlot(f"{role}_a"), HostSlot(f"{role}_b"))
         self._current = 0
         self._allocator = allocator
+        self._mirror = mirror
         self._timeout_s = timeout_s
         # Re-entrant: the SIGTERM flush may run on the main thread while it is inside this lock.
         self._cond = threading.Condition(threading.RLock())
@@ -79,7 +103,12 @@ class SlotPair:
                         "rank and disk, or raise InMemoryCkptConfig.timeout_s.")
                 self._cond.wait(remaining)
             target.ready = False
-            if target.buffer is None or target.buffer.numel() < layout.total_bytes:
+            target.adopted_from = None
+            target.crc32 = None
+            if self._mirror is not None:
+                self._mirror.retract(target.name)  # un-READY for successors before any byte changes
+            if target.lent or target.buffer is None or target.buffer.numel() < layout.total_bytes:
+                target.lent = False
                 target.buffer = None
                 target.buffer = self._allocator(target.name, layout.total_bytes)
             target.layout = layout
@@ -88,6 +117,10 @@ class SlotPair:
     def publish(self, slot: HostSlot, step: int, structure: Any, owner_rank: int,
                 extra: Optional[dict] = None) -> None:
         """Mark a fully written slot complete; it becomes current."""
+        if self._mirror is not None:
+            # Outside the lock (it may checksum the payload): the slot is not ready and has no
+            # readers, and the single writer of this pair publishes before its next begin_write.
+            self._mirror.publish(slot, step, structure, owner_rank, extra)
         with self._cond:
             slot.step, slot.structure, slot.owner_rank = step, structure, owner_rank
             slot.extra = dict(extra or {})
@@ -106,11 +139,52 @@ class SlotPair:
             slot.readers -= 1
             self._cond.notify_all()
 
+    def adopt(self, name: str, buffer: torch.Tensor, layout: Layout, structure: Any, step: int,
+              owner_rank: int, extra: dict, crc32: Optional[int], predecessor_pid: int) -> HostSlot:
+        """Install a predecessor process's complete slot `name`; the newest ready slot is current."""
+        with self._cond:
+            slot = next((s for s in self._slots if s.name == name), None)
+            if slot is None:
+                raise ValueError(f"GEMINI slot pair {self.role!r} has no slot {name!r}")
+            if slot.readers:
+                raise RuntimeError(f"GEMINI slot {name} is being read; it cannot adopt another buffer")
+            slot.buffer, slot.layout, slot.structure = buffer, layout, structure
+            slot.step, slot.owner_rank, slot.extra = step, owner_rank, dict(extra)
+            slot.crc32, slot.adopted_from, slot.ready, slot.lent = crc32, predecessor_pid, True, False
+            ready = [s for s in self._slots if s.ready]
+            self._current = self._slots.index(max(ready, key=lambda s: s.step))
+            self._cond.notify_all()
+            return slot
+
+    def lend(self, slot: HostSlot) -> None:
+        """The slot's pages were handed out (copy-on-write); its next write reallocates."""
+        with self._cond:
+            slot.lent = True
+
+    def invalidate(self, slot: HostSlot) -> None:
+        """Never use this slot's contents again (e.g. it failed an integrity check)."""
+        with self._cond:
+            if slot.readers:
+                raise RuntimeError(f"GEMINI slot {slot.name} is being read; it cannot be invalidated")
+            slot.ready = False
+            if self._mirror is not None:
+                self._mirror.retract(slot.name)
+
     def discard(self) -> None:
         """Forget contents (buffers are kept for reuse)."""
         with self._cond:
             for slot in self._slots:
                 slot.ready = False
+                if self._mirror is not None:
+                    self._mirror.retract(slot.name)
+
+    def drop_buffers(self) -> None:
+        """Forget contents and drop the buffers of unread slots (at close: frees the memory)."""
+        with self._cond:
+            for slot in self._slots:
+                if not slot.readers:
+                    slot.ready = False
+                    slot.buffer = None
 
 
 def heap_allocator(pin_memory: bool) -> Allocator:

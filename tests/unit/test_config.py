@@ -23,6 +23,8 @@ GUIDE_DEFAULTS = {
     "skip_replication_if_hsdp": True,
     "pin_memory": True,
     "timeout_s": 300.0,
+    "host_memory": "shared",
+    "shared_memory_dir": None,
 }
 
 

@@ -1,0 +1,997 @@
+"""Node-owned shared-memory host slots: GEMINI's in-memory tier survives a worker crash.
+
+One `SharedSlotArena` per rank owns the directory
+
+    <root>/<namespace>/rank-<rank>.<scope>/        (root default: /dev/shm/lm-resiliency-<uid>)
+        owner.json                                  who uses this directory: scope, pid, start time
+        own_a.seg  own_a.json                       payload segment + READY sidecar, per slot
+        own_b.seg  own_b.json
+        peer_a.seg peer_a.json
+        peer_b.seg peer_b.json
+
+`<namespace>` is `storage.run_namespace(run_id, topology)` plus a short hash of the node-local
+disk folder (the in-memory tier and the disk tier hold one checkpoint series; two jobs that
+reuse a run id with different `disk_folder`s never see each other's slots). `<scope>` is
+`storage.temp_scope()` (boot id + PID namespace): slots are only ever adopted, or reaped, by a
+process of the same boot and PID namespace, so a PID check means something and a reboot
+(or a container with another PID namespace) never picks up bytes it cannot vouch for.
+
+Publication discipline (the same as node-local files). A segment holds only payload bytes;
+its sidecar ``<slot>.json`` holds identity (run id, topology, holder rank, owner rank), step,
+layout, structure, extra, the segment's size/device/inode and, with `verify_integrity`, a
+CRC-32 over the metadata and the payload. A slot is READY exactly when its sidecar exists:
+
+- `retract()` unlinks the sidecar BEFORE the first payload byte is overwritten;
+- `publish()` writes the sidecar to a same-directory temporary file and renames it into place
+  AFTER the payload is complete (host copy finished, CUDA event synchronized, or replica
+  fully received).
+
+A writer killed at any point therefore leaves either the previous READY sidecar describing
+bytes that were not touched, or no sidecar at all. A separate sidecar (rather than a header
+inside the mapped segment) keeps the READY bit out of memory that a dying writer may be
+scribbling on, and gives the same atomic-rename semantics as the disk tier without relying on
+store ordering inside a mapping. No fsync is issued: a process crash keeps the page cache
+(tmpfs pages are the page cache), and after a power loss the boot id differs so nothing is
+adopted.
+
+Ownership and safety: every directory is 0700 and owned by this uid, every file is 0600 and
+owned by this uid; nothing is opened through a symbolic link (directory file descriptors,
+``O_NOFOLLOW``, ``lstat``/``fstat`` checks). A rank directory is taken over only when its
+recorded owner is dead (PID gone, zombie, or PID reused by a process with another start
+time); otherwise the arena is unavailable and the manager falls back to heap slots.
+
+Memory is bounded: four slots per rank at most (`SLOT_NAMES`), each reserved with
+`posix_fallocate` so a full /dev/shm fails at allocation (heap fallback, warning) rather than
+with SIGBUS in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from lm_resiliency.gemini.codec import Layout, StateSchemaError
+from lm_resiliency.gemini.storage import run_namespace, temp_scope
+
+logger = logging.getLogger(__name__)
+
+SHM_VERSION = 1
+SLOT_NAMES = ("own_a", "own_b", "peer_a", "peer_b")
+MAX_SLOTS = len(SLOT_NAMES)
+OWNER_FILE = "owner.json"
+_SIDECAR_KEYS = frozenset({"version", "run_id", "topology", "holder_rank", "slot", "owner_rank", "step",
+                           "layout", "structure", "extra", "crc32", "segment"})
+_OWNER_KEYS = frozenset({"version", "scope", "pid", "start_time"})
+_MAX_SIDECAR_BYTES = 512 * 1024 * 1024
+_NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
+_RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
+_TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+# Rank directories held by a live arena in this process (a same-process successor may adopt
+# a directory only after its predecessor arena closed).
+_held: set = set()
+_held_lock = threading.Lock()
+
+
+class SharedMemoryUnavailable(OSError):
+    """Shared-memory slots cannot be used here; the manager falls back to heap slots."""
+
+
+class SegmentRejected(Exception):
+    """A predecessor's slot exists but must not be used. The message says which and why."""
+
+
+@dataclass(frozen=True)
+class HostMemoryReport:
+    """GEMINI host-slot memory of one rank (`InMemoryCheckpointManager.host_memory()`)."""
+
+    mode: str                       # "shared" or "heap"
+    directory: Optional[str]        # the rank's shared-memory directory, None for heap slots
+    slot_bytes: Dict[str, int] = field(default_factory=dict)  # slot name -> bytes
+    max_slots: int = MAX_SLOTS
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.slot_bytes.values())
+
+
+@dataclass(frozen=True, eq=False)
+class AdoptedSlot:
+    """A predecessor's READY slot, validated and mapped into this process."""
+
+    name: str
+    buffer: torch.Tensor
+    layout: Layout
+    structure: Any
+    step: int
+    owner_rank: int
+    extra: dict
+    crc32: Optional[int]
+    predecessor_pid: int
+
+
+def default_shared_memory_dir() -> str:
+    return f"/dev/shm/lm-resiliency-{os.geteuid()}"
+
+
+def shared_namespace(run_id: str, topology: str, series: str) -> str:
+    """Opaque name binding shared slots to one run id, topology and checkpoint series."""
+    digest = hashlib.sha256(os.path.abspath(series).encode("utf-8")).hexdigest()[:8]
+    return f"{run_namespace(run_id, topology)}-{digest}"
+
+
+# ------------------------------------------------------------------------------- CUDA seam
+# Like gemini/device.py: the only CUDA-specific code of this module. Mapped pages are
+# page-locked with cudaHostRegister so GPU->host copies into them stay asynchronous.
+
+
+def _register_host_memory(tensor: torch.Tensor) -> bool:
+    try:
+        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 1))
+    except Exception as exc:  # noqa: BLE001 - pinning is an optimization; copies stay correct
+        logger.warning("GEMINI: cannot page-lock shared host slot (%s); GPU copies into it will "
+                       "not overlap with compute", exc)
+        return False
+    if code != 0:
+        logger.warning("GEMINI: cudaHostRegister failed with cudaError %d; GPU copies into the "
+                       "shared host slot will not overlap with compute", code)
+        return False
+    return True
+
+
+def _unregister_host_memory(tensor: torch.Tensor) -> None:
+    try:
+        torch.cuda.synchronize()  # no copy may still target these pages
+        code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+        if code != 0:
+            logger.warning("GEMINI: cudaHostUnregister failed with cudaError %d", code)
+    except Exception as exc:  # noqa: BLE001 - teardown continues
+        logger.warning("GEMINI: cudaHostUnregister failed: %s", exc)
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """Kernel start time of `pid` (clock ticks since boot), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner_alive(pid: int, start_time: Optional[int]) -> bool:
+    """Whether the process that recorded (pid, start_time) still runs (a zombie does not)."""
+    if pid <= 0:
+        return True  # not a process we could have been: never treat as dead
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        fields = data[data.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return False
+        return start_time is None or int(fields[19]) == start_time
+    except (ValueError, IndexError):
+        return True
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate JSON key {key!r}")
+        out[key] = value
+    return out
+
+
+def _loads(data: bytes) -> Any:
+    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
+    canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
+                           allow_nan=False, separators=(",", ":")).encode("utf-8")
+    crc = zlib.crc32(canonical)
+    if payload.numel():
+        crc = zlib.crc32(memoryview(payload.numpy()), crc)
+    return crc
+
+
+def _check_private(st: os.stat_result, what: str, path: str, uid: int, directory: bool) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise SegmentRejected(f"{path}: {what} is a symbolic link; refusing to follow it")
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise SegmentRejected(f"{path}: {what} is not a directory")
+    if not directory and not stat.S_ISREG(st.st_mode):
+        raise SegmentRejected(f"{path}: {what} is not a regular file")
+    if st.st_uid != uid:
+        raise SegmentRejected(f"{path}: {what} is owned by uid {st.st_uid}, not by this process (uid {uid})")
+    if not directory and stat.S_IMODE(st.st_mode) & 0o077:
+        raise SegmentRejected(f"{path}: {what} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
+
+
+class _Mapping:
+    """One mapped segment: the mmap (kept alive by the tensor) and whether it is page-locked."""
+
+    __slots__ = ("tensor", "size", "dev", "ino", "pinned")
+
+    def __init__(self, tensor: torch.Tensor, st: os.stat_result, pinned: bool) -> None:
+        self.tensor = tensor
+        self.size = st.st_size
+        self.dev = st.st_dev
+        self.ino = st.st_ino
+        self.pinned = pinned
+
+    def release(self) -> None:
+        if self.pinned:
+            _unregister_host_memory(self.tensor)
+            self.pinned = False
+        self.tensor = None
+
+
+def _map_fd(fd: int, size: int) -> torch.Tensor:
+    # No MAP_POPULATE: pre-mapping costs about what the page faults it saves cost (measured),
+    # and an adopted slot that recovery does not select is then never touched at all.
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+# ------------------------------------------------------------------------------------ arena
+
+
+class SharedSlotArena:
+    """This rank's node-owned shared-memory slots for one run, topology and checkpoint series.
+
+    Construction creates (or takes over from a dead predecessor) the rank directory and reaps
+    stale directories of dead runs in this scope; it raises `SharedMemoryUnavailable` when the
+    directory cannot be used safely. `allocate` is a slot allocator (`(name, nbytes) -> tensor`);
+    `retract`/`publish` implement `slots.SlotMirror`; `adopt()` returns the predecessor's READY
+    slots; `close(keep=...)` removes the segments or leaves them for a restart.
+    """
+
+    def __init__(self, root: str, run_id: str, topology: str, rank: int, *, series: str,
+                 verify_integrity: bool, pin_memory: bool, peer_owner: Optional[int]) -> None:
+        self._uid = os.geteuid()
+        self._root = os.path.abspath(root)
+        self._run_id = run_id
+        self._topology = topology
+        self._rank = rank
+        self._verify = verify_integrity
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._peer_owner = peer_owner
+        self._scope = temp_scope()
+        self._namespace = shared_namespace(run_id, topology, series)
+        self._rank_name = f"rank-{rank:05d}.{self._scope}"
+        self._dir = os.path.join(self._root, self._namespace, self._rank_name)
+        self._maps: Dict[str, _Mapping] = {}
+        self._heap: Dict[str, int] = {}
+        self._docs: Dict[str, dict] = {}
+        self._degraded = False
+        self._lock = threading.RLock()
+        self._predecessor: Optional[int] = None
+        self._fd: Optional[int] = None
+        self._closed = False
+        fds: List[int] = []
+        try:
+            root_fd = self._open_root()
+            fds.append(root_fd)
+            self._reap(root_fd)
+            ns_path = os.path.join(self._root, self._namespace)
+            ns_fd = self._private_subdir(root_fd, self._namespace, ns_path)
+            fds.append(ns_fd)
+            self._reap_namespace(ns_fd, ns_path, temps_only=True)
+            self._fd = self._claim_rank_dir(ns_fd)
+        except SegmentRejected as exc:
+            raise SharedMemoryUnavailable(errno.EPERM, str(exc)) from exc
+        except SharedMemoryUnavailable:
+            raise
+        except OSError as exc:
+            raise SharedMemoryUnavailable(exc.errno or errno.EIO,
+                                          f"cannot set up GEMINI shared-memory slots: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._reap_temps(self._fd, self._dir)
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def directory(self) -> str:
+        return self._dir
+
+    @property
+    def predecessor_pid(self) -> Optional[int]:
+        """PID of the dead process whose rank directory this arena took over, if any."""
+        return self._predecessor
+
+    def report(self) -> HostMemoryReport:
+        with self._lock:
+            sizes = {name: m.size for name, m in self._maps.items()}
+            sizes.update(self._heap)
+        return HostMemoryReport("shared", self._dir, sizes)
+
+    def is_shared(self, name: str, buffer: Optional[torch.Tensor]) -> bool:
+        with self._lock:
+            mapping = self._maps.get(name)
+            return mapping is not None and buffer is not None and mapping.tensor is buffer
+
+    # ------------------------------------------------------------------ allocator
+
+    def allocate(self, name: str, nbytes: int) -> torch.Tensor:
+        """A shared segment of at least `nbytes` for slot `name`; a heap buffer (warning) if
+        shared memory cannot be had."""
+        if name not in SLOT_NAMES:
+            raise ValueError(f"GEMINI shared slot name must be one of {SLOT_NAMES}, got {name!r}")
+        with self._lock:
+            self._check_open()
+            self._drop(name)
+            self._remove_files(name)  # its sidecar was retracted before; the old segment goes too
+            if not self._degraded:
+                try:
+                    tensor = self._create_segment(name, max(int(nbytes), 1))
+                    self._log_allocation(name, "shared memory")
+                    return tensor
+                except OSError as exc:
+                    self._degraded = True
+                    self._remove_files(name)
+                    logger.warning(
+                        "GEMINI: rank %d cannot allocate %d bytes of shared memory for slot %s in %s "
+                        "(%s); using process heap memory for this and later slots, which does not "
+                        "survive a worker crash. Free space in /dev/shm (or set "
+                        "InMemoryCkptConfig.shared_memory_dir), or set host_memory='heap' to silence "
+                        "this.", self._rank, nbytes, name, self._dir, exc.strerror or exc)
+            from lm_resiliency.gemini.device import allocate_host_buffer
+
+            tensor = allocate_host_buffer(nbytes, self._pin)
+            self._heap[name] = tensor.numel()
+            self._log_allocation(name, "heap memory")
+            return tensor
+
+    def _log_allocation(self, name: str, where: str) -> None:
+        report = self.report()
+        logger.info("GEMINI: rank %d slot %s: %d bytes of %s; rank total %d bytes in %d of %d slots (%s)",
+                    self._rank, name, report.slot_bytes[name], where, report.total_bytes,
+                    len(report.slot_bytes), MAX_SLOTS, self._dir)
+
+    def _create_segment(self, name: str, size: int) -> torch.Tensor:
+        seg = f"{name}.seg"
+        fd = os.open(seg, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self._fd)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                # Reserve the pages now: a full tmpfs fails here, not with SIGBUS mid-copy.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            tensor = _map_fd(fd, size)
+        finally:
+            os.close(fd)
+        pinned = _register_host_memory(tensor) if self._pin else False
+        self._maps[name] = _Mapping(tensor, st, pinned)
+        return tensor
+
+    # ---------------------------------------------------------------- publication
+
+    def retract(self, name: str) -> None:
+        """Un-READY `name` before its payload is overwritten (no-op for heap slots)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._docs.pop(name, None)
+            self._unlink(f"{name}.json")
+
+    def publish(self, slot: Any, step: int, structure: Any, owner_rank: int, extra: Optional[dict]) -> None:
+        """Make the completely written slot READY for a successor process. A failure only costs
+        crash survival of this slot (warning), never the capture."""
+        name = slot.name
+        with self._lock:
+            if self._closed or not self.is_shared(name, slot.buffer):
+                return
+            mapping = self._maps[name]
+        doc = {
+            "version": SHM_VERSION, "run_id": self._run_id, "topology": self._topology,
+            "holder_rank": self._rank, "slot": name, "owner_rank": owner_rank, "step": step,
+            "layout": slot.layout.to_json(), "structure": structure, "extra": dict(extra or {}),
+            "crc32": None, "segment": {"size": mapping.size, "dev": mapping.dev, "ino": mapping.ino},
+        }
+        try:
+            if self._verify:
+                doc["crc32"] = _slot_crc(doc, slot.buffer[: slot.layout.total_bytes])
+            data = _dumps(doc)
+            with self._lock:
+                if self._closed:
+                    return
+                self._write_atomic(f"{name}.json", data)
+                self._docs[name] = doc
+        except (OSError, TypeError, ValueError) as exc:
+            logger.warning("GEMINI: rank %d could not publish shared slot %s (step %d) in %s: %s; this "
+                           "copy will not survive a worker crash", self._rank, name, step, self._dir, exc)
+
+    def _write_atomic(self, final: str, data: bytes) -> None:
+        temp = f".{final}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self._fd)
+        try:
+            try:
+                os.fchmod(fd, 0o600)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(temp, final, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        except BaseException:
+            self._unlink(temp)
+            raise
+
+    # -------------------------------------------------------------------- adoption
+
+    def adopt(self) -> List[AdoptedSlot]:
+        """The predecessor's READY slots of this rank, validated and mapped (newest first).
+
+        A segment without sidecar (being written when its writer died) and any rejected slot are
+        removed; a rejected slot is logged with the reason and never used."""
+        adopted = []
+        with self._lock:
+            self._check_open()
+            for name in SLOT_NAMES:
+                if name.startswith("peer") and self._peer_owner is None:
+                    self._remove_files(name)
+                    continue
+                try:
+                    slot = self._adopt_one(name)
+                except SegmentRejected as exc:
+                    logger.warning("GEMINI: rank %d refuses shared slot %s: %s", self._rank, name, exc)
+                    self._drop(name)
+                    self._remove_files(name)
+                    continue
+                except OSError as exc:
+                    logger.warning("GEMINI: rank %d cannot map shared slot %s: %s", self._rank, name, exc)
+                    self._drop(name)
+                    self._remove_files(name)
+                    continue
+                if slot is not None:
+                    adopted.append(slot)
+        adopted.sort(key=lambda s: -s.step)
+        if adopted:
+            logger.info("GEMINI: rank %d adopted %d shared slot(s) from predecessor pid %s: %s (%d bytes)",
+                        self._rank, len(adopted), self._predecessor,
+                        ", ".join(f"{s.name}=step {s.step}" for s in adopted),
+                        sum(s.buffer.numel() for s in adopted))
+        return adopted
+
+    def _adopt_one(self, name: str) -> Optional[AdoptedSlot]:
+        sidecar_path = os.path.join(self._dir, f"{name}.json")
+        seg_path = os.path.join(self._dir, f"{name}.seg")
+        data = self._read_owned(f"{name}.json", "slot sidecar")
+        if data is None:
+            if self._exists(f"{name}.seg"):
+                logger.info("GEMINI: rank %d discards shared slot %s: no READY sidecar (its writer died "
+                            "while writing it)", self._rank, name)
+                self._remove_files(name)
+            return None
+        doc = self._checked_sidecar(data, name, sidecar_path)
+        layout = Layout.from_json(doc["layout"])
+        fd = self._open_owned(f"{name}.seg", "slot segment", os.O_RDWR)
+        if fd is None:
+            raise SegmentRejected(f"{seg_path}: READY sidecar without a segment")
+        try:
+            st = os.fstat(fd)
+            _check_private(st, "slot segment", seg_path, self._uid, directory=False)
+            want = doc["segment"]
+            if (st.st_dev, st.st_ino) != (want["dev"], want["ino"]):
+                raise SegmentRejected(f"{seg_path}: segment was replaced after its sidecar was written "
+                                      f"(inode {st.st_ino}, sidecar says {want['ino']})")
+            if st.st_size != want["size"]:
+                raise SegmentRejected(f"{seg_path}: segment has {st.st_size} bytes, its sidecar says "
+                                      f"{want['size']} (truncated or resized)")
+            if st.st_size < max(layout.total_bytes, 1):
+                raise SegmentRejected(f"{seg_path}: segment of {st.st_size} bytes cannot hold layout of "
+                                      f"{layout.total_bytes} bytes")
+            tensor = _map_fd(fd, st.st_size)
+        finally:
+            os.close(fd)
+        pinned = _register_host_memory(tensor) if self._pin else False
+        self._maps[name] = _Mapping(tensor, st, pinned)
+        self._docs[name] = doc
+        return AdoptedSlot(name, tensor, layout, doc["structure"], doc["step"], doc["owner_rank"],
+                           doc["extra"], doc["crc32"], self._predecessor or -1)
+
+    def _checked_sidecar(self, data: bytes, name: str, path: str) -> dict:
+        def bad(reason: str) -> SegmentRejected:
+            return SegmentRejected(f"{path}: {reason}")
+
+        try:
+            doc = _loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise bad(f"sidecar is not strict JSON: {exc}") from exc
+        if not isinstance(doc, dict) or set(doc) != _SIDECAR_KEYS:
+            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise bad(f"sidecar keys {got} are not exactly {sorted(_SIDECAR_KEYS)}")
+        if doc["version"] != SHM_VERSION or not _is_int(doc["version"]):
+            raise bad(f"sidecar version {doc['version']!r} is not {SHM_VERSION}")
+        if doc["run_id"] != self._run_id:
+            raise bad(f"wrong run id (sidecar {doc['run_id']!r}, expected {self._run_id!r})")
+        if doc["topology"] != self._topology:
+            raise bad(f"wrong topology (sidecar {doc['topology']!r}, expected {self._topology!r})")
+        if doc["holder_rank"] != self._rank or not _is_int(doc["holder_rank"]):
+            raise bad(f"wrong holder rank (sidecar {doc['holder_rank']!r}, expected {self._rank})")
+        if doc["slot"] != name:
+            raise bad(f"wrong slot name (sidecar {doc['slot']!r}, expected {name!r})")
+        expected_owner = self._rank if name.startswith("own") else self._peer_owner
+        if not _is_int(doc["owner_rank"]) or doc["owner_rank"] != expected_owner:
+            raise bad(f"wrong owner rank (sidecar {doc['owner_rank']!r}, expected {expected_owner})")
+        if not _is_int(doc["step"]) or doc["step"] < 0:
+            raise bad(f"step {doc['step']!r} is not a non-negative integer")
+        if not isinstance(doc["extra"], dict):
+            raise bad("extra is not a JSON object")
+        crc = doc["crc32"]
+        if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
+            raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
+        if self._verify and crc is None:
+            raise bad("written without integrity checksum (verify_integrity=False); with "
+                      "verify_integrity=True only checksummed slots are eligible")
+        seg = doc["segment"]
+        if (not isinstance(seg, dict) or set(seg) != {"size", "dev", "ino"}
+                or not all(_is_int(v) and v >= 0 for v in seg.values())):
+            raise bad("segment must be an object of non-negative integers size, dev, ino")
+        try:
+            Layout.from_json(doc["layout"])
+        except StateSchemaError as exc:
+            raise bad(f"bad layout: {exc}") from exc
+        return doc
+
+    def verify(self, name: str) -> Optional[str]:
+        """Recompute the CRC-32 of an adopted slot; the reason it is unusable, or None if intact."""
+        with self._lock:
+            doc = self._docs.get(name)
+            mapping = self._maps.get(name)
+        if doc is None or mapping is None or mapping.tensor is None:
+            return f"slot {name} is not a published shared slot"
+        if doc["crc32"] is None:
+            return f"slot {name} has no integrity checksum"
+        total = doc["layout"]["total_bytes"]
+        actual = _slot_crc(doc, mapping.tensor[:total])
+        if actual != doc["crc32"]:
+            return (f"{os.path.join(self._dir, name + '.seg')}: CRC-32 mismatch (stored "
+                    f"{doc['crc32']:#010x}, computed {actual:#010x}): shared memory bytes are corrupt")
+        return None
+
+    def private_view(self, name: str, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy-on-write private mapping of shared slot `name` (zero-copy recovery), or None
+        when `buffer` is not that slot's shared segment or it cannot be mapped.
+
+        Reads come straight from the shared pages; the caller's writes stay private to the
+        caller. Linux shows later writes to the file through pages the caller has not written,
+        so the slot must be rewritten into a fresh segment (`SlotPair.lend`), never in place.
+        """
+        with self._lock:
+            if self._closed or not self.is_shared(name, buffer):
+                return None
+            mapping = self._maps[name]
+            try:
+                fd = self._open_owned(f"{name}.seg", "slot segment", os.O_RDONLY)
+            except (SegmentRejected, OSError) as exc:
+                logger.warning("GEMINI: cannot map shared slot %s copy-on-write: %s", name, exc)
+                return None
+            if fd is None:
+                return None
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino, st.st_size) != (mapping.dev, mapping.ino, mapping.size):
+                    logger.warning("GEMINI: shared slot %s changed on disk; copying it instead", name)
+                    return None
+                mm = mmap.mmap(fd, mapping.size, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                logger.warning("GEMINI: cannot map shared slot %s copy-on-write: %s", name, exc)
+                return None
+            finally:
+                os.close(fd)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------- lifecycle
+
+    def close(self, keep: bool) -> None:
+        """Unmap everything. `keep=False` removes this rank's directory; `keep=True` leaves the
+        READY slots for a successor process (a restart of the same run)."""
+        with self._lock:
+            if self._closed:
+                return
+            for name in list(self._maps):
+                self._drop(name)
+            if not keep and self._fd is not None:
+                for name in SLOT_NAMES:
+                    self._unlink(f"{name}.json")  # sidecars first: never READY without a segment
+                for name in SLOT_NAMES:
+                    self._unlink(f"{name}.seg")
+                self._reap_temps(self._fd, self._dir, only_ours=True)
+                self._unlink(OWNER_FILE)
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            with _held_lock:
+                _held.discard(self._dir)
+        if not keep:
+            for path in (self._dir, os.path.dirname(self._dir)):
+                try:
+                    os.rmdir(path)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                        logger.warning("GEMINI: cannot remove shared-memory directory %s: %s", path, exc)
+                    break
+            logger.info("GEMINI: rank %d removed its shared-memory slots (%s)", self._rank, self._dir)
+        else:
+            logger.info("GEMINI: rank %d keeps its shared-memory slots for a restart (%s)",
+                        self._rank, self._dir)
+
+    # ------------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("GEMINI shared slot arena is closed")
+
+    def _drop(self, name: str) -> None:
+        mapping = self._maps.pop(name, None)
+        if mapping is not None:
+            mapping.release()
+        self._heap.pop(name, None)
+
+    def _open_root(self) -> int:
+        parent = os.path.dirname(self._root)
+        if not os.path.isdir(parent):
+            if self._root == default_shared_memory_dir():
+                raise SharedMemoryUnavailable(errno.ENOENT, f"{parent} does not exist (no POSIX shared "
+                                              "memory filesystem on this host)")
+            os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(self._root, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(self._root)
+        _check_private(st, "shared-memory directory", self._root, self._uid, directory=True)
+        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        try:
+            st2 = os.fstat(fd)
+            if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
+                raise SegmentRejected(f"{self._root}: directory changed while it was opened")
+            if stat.S_IMODE(st2.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _private_subdir(self, parent_fd: int, name: str, path: str) -> int:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise SegmentRejected(f"{path}: not a directory or a symbolic link; refusing to follow it") from exc
+            raise
+        try:
+            st = os.fstat(fd)
+            _check_private(st, "shared-memory directory", path, self._uid, directory=True)
+            if stat.S_IMODE(st.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _owner_doc(self) -> bytes:
+        return _dumps({"version": SHM_VERSION, "scope": self._scope, "pid": os.getpid(),
+                       "start_time": _start_time(os.getpid())})
+
+    def _claim_rank_dir(self, ns_fd: int) -> int:
+        """Create this rank's directory, or take it over from a dead owner of this scope."""
+        with _held_lock:
+            if self._dir in _held:
+                raise SharedMemoryUnavailable(errno.EBUSY, f"{self._dir} is used by another GEMINI manager "
+                                              "of this process")
+            try:
+                os.lstat(os.path.join(self._root, self._namespace, self._rank_name))
+                exists = True
+            except FileNotFoundError:
+                exists = False
+            if not exists:
+                exists = not self._create_rank_dir(ns_fd)
+            fd = self._private_subdir(ns_fd, self._rank_name, self._dir)
+            try:
+                if exists:
+                    self._take_over(fd)
+                _held.add(self._dir)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+    def _create_rank_dir(self, ns_fd: int) -> bool:
+        """Publish a new rank directory (owner record inside) by rename; False if one appeared
+        meanwhile (then it must be taken over like any existing one)."""
+        temp = f".{self._rank_name}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}"
+        os.mkdir(temp, 0o700, dir_fd=ns_fd)
+        try:
+            fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=ns_fd)
+            try:
+                owner = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                                0o600, dir_fd=fd)
+                try:
+                    os.write(owner, self._owner_doc())
+                finally:
+                    os.close(owner)
+            finally:
+                os.close(fd)
+            os.rename(temp, self._rank_name, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+        except OSError as exc:
+            _remove_tree(ns_fd, temp)
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            return False
+        return True
+
+    def _take_over(self, fd: int) -> None:
+        owner = self._read_owner(fd, self._dir)
+        if owner is None:
+            raise SegmentRejected(f"{self._dir}: rank directory has no valid {OWNER_FILE}; refusing to use it")
+        if owner["scope"] != self._scope:
+            raise SegmentRejected(f"{self._dir}: owner record names another boot or PID namespace "
+                                  f"({owner['scope']}); refusing to use it")
+        if owner["pid"] == os.getpid() and owner["start_time"] == _start_time(os.getpid()):
+            self._predecessor = os.getpid()  # a closed manager of this process kept its slots
+        elif _owner_alive(owner["pid"], owner["start_time"]):
+            raise SharedMemoryUnavailable(errno.EBUSY, f"{self._dir} is in use by live process "
+                                          f"{owner['pid']} (same run, topology and rank)")
+        else:
+            self._predecessor = owner["pid"]
+        prev_fd, self._fd = self._fd, fd
+        try:
+            self._write_atomic(OWNER_FILE, self._owner_doc())
+        finally:
+            self._fd = prev_fd
+
+    def _read_owner(self, dir_fd: int, path: str) -> Optional[dict]:
+        try:
+            fd = os.open(OWNER_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            _check_private(st, "owner record", os.path.join(path, OWNER_FILE), self._uid, directory=False)
+            if st.st_size > 4096:
+                return None
+            doc = _loads(os.read(fd, 4096))
+        except (SegmentRejected, OSError, UnicodeDecodeError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        if (not isinstance(doc, dict) or set(doc) != _OWNER_KEYS or doc["version"] != SHM_VERSION
+                or not isinstance(doc["scope"], str) or not _is_int(doc["pid"])
+                or not (doc["start_time"] is None or _is_int(doc["start_time"]))):
+            return None
+        return doc
+
+    def _reap(self, root_fd: int) -> None:
+        """Remove rank directories of other runs (namespaces) whose owner, of this scope, is dead.
+        Directories of another scope, of a live owner, or that cannot be attributed are kept."""
+        for entry in os.scandir(root_fd):
+            if entry.name == self._namespace or not _NAMESPACE_RE.fullmatch(entry.name):
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            ns_path = os.path.join(self._root, entry.name)
+            try:
+                ns_fd = self._private_subdir(root_fd, entry.name, ns_path)
+            except (SegmentRejected, OSError) as exc:
+                logger.warning("GEMINI: not reaping %s: %s", ns_path, exc)
+                continue
+            try:
+                self._reap_namespace(ns_fd, ns_path)
+            finally:
+                os.close(ns_fd)
+            try:
+                os.rmdir(entry.name, dir_fd=root_fd)
+            except OSError:
+                pass  # still holds live or foreign directories
+
+    def _reap_namespace(self, ns_fd: int, ns_path: str, temps_only: bool = False) -> None:
+        """Dead rank directories of this scope (not in our own namespace: those are adopted by
+        their rank's next process) and directories left half-created by dead processes."""
+        for entry in os.scandir(ns_fd):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            path = os.path.join(ns_path, entry.name)
+            temp = _TEMP_RE.fullmatch(entry.name)
+            if temp:
+                if temp.group("scope") == self._scope and not _owner_alive(int(temp.group("pid")), None):
+                    _remove_tree(ns_fd, entry.name)
+                continue
+            match = _RANK_DIR_RE.fullmatch(entry.name)
+            if temps_only or not match or match.group("scope") != self._scope:
+                continue  # another boot or PID namespace: a local PID check says nothing about it
+            try:
+                fd = self._private_subdir(ns_fd, entry.name, path)
+            except (SegmentRejected, OSError) as exc:
+                logger.warning("GEMINI: not reaping %s: %s", path, exc)
+                continue
+            try:
+                owner = self._read_owner(fd, path)
+            finally:
+                os.close(fd)
+            if owner is None:
+                logger.warning("GEMINI: not reaping %s: no valid %s", path, OWNER_FILE)
+                continue
+            if owner["scope"] != self._scope or _owner_alive(owner["pid"], owner["start_time"]):
+                continue
+            with _held_lock:
+                if path in _held:
+                    continue
+            freed = _remove_tree(ns_fd, entry.name)
+            logger.info("GEMINI: reaped stale shared-memory slots %s of dead process %d (%d bytes)",
+                        path, owner["pid"], freed)
+
+    def _reap_temps(self, dir_fd: int, path: str, only_ours: bool = False) -> None:
+        for entry in os.scandir(dir_fd):
+            match = _TEMP_RE.fullmatch(entry.name)
+            if not match or match.group("scope") != self._scope or entry.is_dir(follow_symlinks=False):
+                continue
+            pid = int(match.group("pid"))
+            if (pid == os.getpid()) if only_ours else not _owner_alive(pid, None):
+                try:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+                except OSError:
+                    pass
+
+    def _read_owned(self, name: str, what: str) -> Optional[bytes]:
+        fd = self._open_owned(name, what, os.O_RDONLY)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size > _MAX_SIDECAR_BYTES:
+                raise SegmentRejected(f"{os.path.join(self._dir, name)}: {what} of {st.st_size} bytes is too large")
+            chunks = []
+            while True:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def _open_owned(self, name: str, what: str, mode: int) -> Optional[int]:
+        """Open a regular file of ours in the rank directory without following symlinks."""
+        path = os.path.join(self._dir, name)
+        try:
+            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        _check_private(st, what, path, self._uid, directory=False)
+        try:
+            fd = os.open(name, mode | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentRejected(f"{path}: {what} is a symbolic link; refusing to follow it") from exc
+            raise
+        try:
+            _check_private(os.fstat(fd), what, path, self._uid, directory=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _remove_files(self, name: str) -> None:
+        self._unlink(f"{name}.json")
+        self._unlink(f"{name}.seg")
+
+    def _unlink(self, name: str) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            pass
+
+
+def _remove_tree(parent_fd: int, name: str) -> int:
+    """Remove directory `name` (one level of files, never following links); bytes freed."""
+    freed = 0
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent_fd)
+    except OSError:
+        return 0
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                freed += entry.stat(follow_symlinks=False).st_size
+                os.unlink(entry.name, dir_fd=fd)
+            except OSError as exc:
+                logger.warning("GEMINI: could not remove %s: %s", entry.name, exc)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError as exc:
+        logger.warning("GEMINI: could not remove directory %s: %s", name, exc)
+    return freed
+
+
+def open_arena(root: Optional[str], run_id: str, topology: str, rank: int, *, series: str,
+               verify_integrity: bool, pin_memory: bool,
+               peer_owner: Optional[int]) -> Tuple[Optional[SharedSlotArena], Optional[str]]:
+    """The arena, or (None, reason) when shared memory cannot be used (the caller warns)."""
+    try:
+        arena = SharedSlotArena(root or default_shared_memory_dir(), run_id, topology, rank, series=series,
+                                verify_integrity=verify_integrity, pin_memory=pin_memory,
+                                peer_owner=peer_owner)
+    except SharedMemoryUnavailable as exc:
+        return None, str(exc.strerror or exc)
+    return arena, None
+
+
+__all__ = [
+    "AdoptedSlot", "HostMemoryReport", "MAX_SLOTS", "SLOT_NAMES", "SegmentRejected", "SharedMemoryUnavailable",
+    "SharedSlotArena", "default_shared_memory_dir", "open_arena", "shared_namespace",
+]
