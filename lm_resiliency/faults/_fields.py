@@ -7,12 +7,13 @@ Objects validate themselves in ``__post_init__`` and raise `CampaignSchemaError`
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterable, Mapping, Tuple, Type, TypeVar
+
+from lm_resiliency.files import loads_strict_json
 
 from .errors import CampaignSchemaError
 
@@ -134,24 +135,10 @@ def load_document(doc: Any, what: str) -> Any:
         doc = doc.decode("utf-8")
     if isinstance(doc, str):
         try:
-            return json.loads(doc, parse_constant=_reject_constant,
-                              object_pairs_hook=_no_duplicate_keys)
+            return loads_strict_json(doc)
         except ValueError as exc:
             fail("$", f"{what} is not valid JSON: {exc}")
     return doc
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 class ObjectReader:

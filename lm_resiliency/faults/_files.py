@@ -10,6 +10,8 @@ import tempfile
 import time
 from typing import Iterator
 
+from lm_resiliency.files import fsync_dir
+
 _POLL_S = 0.005
 
 
@@ -35,17 +37,6 @@ def locked(lock_path: str, *, exclusive: bool = True, timeout_s: float = 30.0) -
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
     finally:
         os.close(fd)
 

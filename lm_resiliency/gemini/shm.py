@@ -63,6 +63,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency.files import loads_strict_json
 from lm_resiliency.gemini.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.storage import run_namespace, temp_scope
 
@@ -206,21 +207,8 @@ def _owner_alive(pid: int, start_time: Optional[int]) -> bool:
 # ---------------------------------------------------------------------------------- helpers
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicates(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
-
-
 def _loads(data: bytes) -> Any:
-    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    return loads_strict_json(data.decode("utf-8"))
 
 
 def _dumps(value: Any) -> bytes:

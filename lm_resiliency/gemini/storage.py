@@ -48,6 +48,8 @@ from typing import Any, List, Optional, Set
 
 import torch
 
+from lm_resiliency.files import fsync_dir, loads_strict_json
+
 from .codec import Layout, StateSchemaError
 
 logger = logging.getLogger(__name__)
@@ -180,40 +182,11 @@ def _check_json(value: Any, where: str) -> None:
                     "GEMINI never falls back to pickle")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
-
-
-def _loads_strict(text: str) -> Any:
-    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
-
-
 def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
     """CRC-32 over the canonical metadata (everything but the CRC) and the payload bytes, so a
     flipped byte in the structure or identity is caught as surely as one in a tensor."""
     canonical = json.dumps(metadata, sort_keys=True, allow_nan=False, separators=(",", ":"))
     return zlib.crc32(memoryview(payload.numpy()), zlib.crc32(canonical.encode("utf-8")))
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-        logger.debug("directory fsync not supported on %s (%s)", directory, exc)
-    finally:
-        os.close(fd)
 
 
 def _summarize(exc: BaseException) -> str:
@@ -391,7 +364,7 @@ class NodeLocalStore:
             if data is None:
                 return None
             try:
-                doc = _loads_strict(data.decode("utf-8"))
+                doc = loads_strict_json(data.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 if time.monotonic() >= deadline:
                     raise StatusRejected(f"{path}: status sidecar is malformed after {attempts} reads "
@@ -504,7 +477,7 @@ class NodeLocalStore:
                 os.fsync(f.fileno())
             os.replace(temp, final)
             published = True
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         except OSError as exc:
             where = final if published else temp
             raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}",
@@ -530,7 +503,7 @@ class NodeLocalStore:
 
     def _sync_dir(self) -> None:
         try:
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot fsync GEMINI directory: {exc.strerror}", self._dir) from exc
 
@@ -594,7 +567,7 @@ class NodeLocalStore:
         if not isinstance(metadata, str):
             raise bad("metadata is not a JSON string")
         try:
-            meta = _loads_strict(metadata)
+            meta = loads_strict_json(metadata)
         except ValueError as exc:
             raise bad(f"metadata is not valid JSON: {exc}") from exc
         if not isinstance(meta, dict) or set(meta) != _METADATA_KEYS:

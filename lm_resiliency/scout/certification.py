@@ -57,7 +57,6 @@ every rank by `load_verified_durable`, so ``manifest_dir`` must be readable by e
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -73,6 +72,7 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 import torch.distributed as dist
 
 from lm_resiliency.config import ConfigError
+from lm_resiliency.files import fsync_dir, loads_strict_json
 from lm_resiliency.scout.reports import ReplayResult
 from lm_resiliency.wire import all_gather_json
 
@@ -301,30 +301,6 @@ def manifest_name(checkpoint_id: str) -> str:
     return "checkpoint-" + hashlib.sha256(checkpoint_id.encode("utf-8")).hexdigest()[:40] + ".json"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
 class _ManifestStore:
     """JSON manifests of durable checkpoints in one owner-only directory."""
 
@@ -387,7 +363,7 @@ class _ManifestStore:
                 os.fsync(f.fileno())
             os.replace(temp, final)
             published = True
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         finally:
             if not published:
                 try:
@@ -419,7 +395,7 @@ class _ManifestStore:
                 os.unlink(path)
             except FileNotFoundError:
                 return
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     # ------------------------------------------------------------ read
 
@@ -450,8 +426,7 @@ class _ManifestStore:
                                        f"(mode {stat.S_IMODE(st.st_mode):o}); refusing to trust it")
             data = f.read()
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
-                             object_pairs_hook=_no_duplicate_keys)
+            doc = loads_strict_json(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise ManifestRejected(f"{path}: manifest is not valid strict JSON ({exc}); refusing to trust it") from exc
         self._validate(doc, path, name)

@@ -6,7 +6,6 @@ import random
 import numpy as np
 import torch
 
-from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.experimental import InMemoryCheckpointManager
 
 

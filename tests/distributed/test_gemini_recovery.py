@@ -1,7 +1,6 @@
 """GEMINI end to end on 4 real gloo ranks: capture, replicate, flush, recover in fresh processes."""
 
 import os
-import shutil
 
 import pytest
 
@@ -92,7 +91,7 @@ def _drop_newest_on_rank(rank, world, folder):
 
 
 def test_step_missing_on_one_rank_selects_older_common_step(tmp_path):
-    expected = run_ranks(_train_and_exit, 4, str(tmp_path), 6, {}, timeout=120)
+    run_ranks(_train_and_exit, 4, str(tmp_path), 6, {}, timeout=120)
     recovered = run_ranks(_drop_newest_on_rank, 4, str(tmp_path), timeout=120)
     assert [r[0] for r in recovered] == [4, 4, 4, 4]
 

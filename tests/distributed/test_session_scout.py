@@ -1,8 +1,5 @@
 """enable_resiliency with SCOUT on 4 real gloo ranks: SDC localization, capture veto, verified recovery."""
 
-import json
-import os
-
 import pytest
 import torch
 from torch import nn

@@ -1,6 +1,5 @@
 """The API guide's names and its example, exactly as written there."""
 
-import pytest
 
 import lm_resiliency
 import lm_resiliency.faults as faults_pkg

@@ -321,7 +321,7 @@ def test_manifest_errors_name_the_json_path(mutate, path, reason):
 def test_manifest_text_errors():
     with pytest.raises(CampaignSchemaError, match=r"^\$: campaign manifest is not valid JSON"):
         FaultCampaign.from_json("{nope")
-    with pytest.raises(CampaignSchemaError, match="duplicate key"):
+    with pytest.raises(CampaignSchemaError, match="duplicate JSON key"):
         FaultCampaign.from_json('{"name": "a", "name": "b"}')
     with pytest.raises(CampaignSchemaError, match=r"^\$: must be a JSON object"):
         FaultCampaign.from_json("[]")
