@@ -4,8 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := .ci/constraints.txt
-EXTRAS ?= test
+# The test suite exercises the real frameworks (Lightning, Accelerate, DeepSpeed) on CPU.
+EXTRAS ?= test,lightning,accelerate,deepspeed
 comma := ,
+# DeepSpeed compiles its ops at first use; keep them in the venv so later runs reuse them.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 
 .PHONY: venv test test-slow demo bench clean

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -21,6 +22,8 @@ from lm_resiliency.gemini.codec import Layout
 from lm_resiliency.gemini.slots import HostSlot
 
 logger = logging.getLogger(__name__)
+
+_CHUNKS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -100,18 +103,31 @@ class PeerReplicator:
         return wire.decode_json(theirs)
 
     def _exchange_bytes(self, outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
+        """At most `_CHUNKS_IN_FLIGHT` chunk pairs are posted at once: enough to keep the link busy
+        between chunks, few enough to bound interference with training traffic."""
         size = self.chunk_size
         chunks = max(-(-outgoing.numel() // size), -(-incoming.numel() // size))
+        in_flight: deque = deque()
         for i in range(chunks):
             out = outgoing[i * size: (i + 1) * size]
             into = incoming[i * size: (i + 1) * size]
-            self._pair(out if out.numel() else None, into if into.numel() else None)
+            in_flight.append(self._post(out if out.numel() else None, into if into.numel() else None))
+            if len(in_flight) >= _CHUNKS_IN_FLIGHT:
+                self._wait(in_flight.popleft())
+        while in_flight:
+            self._wait(in_flight.popleft())
 
     def _pair(self, outgoing: Optional[torch.Tensor], incoming: Optional[torch.Tensor]) -> None:
+        self._wait(self._post(outgoing, incoming))
+
+    def _post(self, outgoing: Optional[torch.Tensor], incoming: Optional[torch.Tensor]) -> list:
         works = []
         if outgoing is not None:
             works.append(dist.isend(outgoing, self.pairing.send_to, group=self.group))
         if incoming is not None:
             works.append(dist.irecv(incoming, self.pairing.recv_from, group=self.group))
+        return works
+
+    def _wait(self, works: list) -> None:
         for work in works:
             wire.wait(work, self.timeout_s)

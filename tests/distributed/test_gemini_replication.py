@@ -15,13 +15,13 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _rapid_saves_with_slow_replication(rank, world, folder):
-    slow_pair = PeerReplicator._pair
+    post = PeerReplicator._post
 
-    def pair_slowly(self, outgoing, incoming):
+    def post_slowly(self, outgoing, incoming):
         time.sleep(0.01)  # a slow network: later captures arrive while this send is in flight
-        slow_pair(self, outgoing, incoming)
+        return post(self, outgoing, incoming)
 
-    PeerReplicator._pair = pair_slowly
+    PeerReplicator._post = post_slowly
     config = InMemoryCkptConfig(replication_jump=1, disk_flush_interval=0, disk_folder=folder,
                                 run_id="slow", replication_chunk_size=4096, timeout_s=60)
     manager = InMemoryCheckpointManager(config)
