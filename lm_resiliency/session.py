@@ -33,6 +33,7 @@ from lm_resiliency.recovery import RecoveryDecision, RecoveryMode, select_mode
 from lm_resiliency.scout.certification import CertificationLedger, DurableCheckpointConfig, verdict_of
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
+from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 
 # Worst first: the verdict a capture boundary sees is the worst since the previous boundary.
@@ -48,7 +49,7 @@ class ResiliencyHandle(Protocol):
     step_count: int
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any: ...
-    def checkpoint_io(self, kind: str, name: str = "") -> Any: ...
+    def checkpoint_io(self, kind: str, name: str = "checkpoint") -> Any: ...
     def flush_for_restart(self) -> int: ...
     def set_restart_destination(self, resolver: Optional[Callable[[], Optional[str]]]) -> None: ...
     def copy_checkpoint_to(self, destination: Optional[str] = None) -> list: ...
@@ -103,7 +104,7 @@ class ResiliencySession:
         self._load_extra_state_fn = load_extra_state_fn
         self._load_fallback = load_fallback
         self._recovery_mode = RecoveryMode(recovery_mode) if recovery_mode is not None else RecoveryMode.LATEST
-        self._orchestration = orchestration
+        self._orchestration = _as_hooks(orchestration)
         self._fault_callback = fault_callback
         self._oob_fault_callback = oob_fault_callback
         self.replay_config = replay if replay is not None else ReplayHarnessConfig()
@@ -128,6 +129,7 @@ class ResiliencySession:
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
                                           sharded=topology.kind in ("fsdp2", "hsdp"))
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
+                _check_cadence(self.config.interval, self.replay_config)
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     self._agreement_group = dist.new_group(backend="gloo")
                 self.ledger = CertificationLedger(1, self.manager.store, group=self._agreement_group,
@@ -151,13 +153,12 @@ class ResiliencySession:
         step = None
         verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
             self.ledger is not None and self.ledger.requires_verified_recovery)
-        if self.manager is not None:
-            if verified_only:
-                step = self._find_verified()
-                if step is None:
-                    return self._recover_verified_durable()
-            else:
-                step = self.manager.find_latest()
+        if verified_only:
+            step = self._find_verified() if self.manager is not None else None
+            if step is None:
+                return self._recover_verified_durable()
+        elif self.manager is not None:
+            step = self.manager.find_latest()
         if step is not None:
             state = self.manager.load()
             self.adapter.load_framework_state(state["framework"])
@@ -215,7 +216,13 @@ class ResiliencySession:
     def _before_optimizer_step(self) -> None:
         self._finish_pending_capture()
         if self.scout is not None:
-            result = self.scout.before_optimizer_step(self.step_count + 1)
+            try:
+                result = self.scout.before_optimizer_step(self.step_count + 1)
+            except ReplayError as exc:
+                # Raised on every peer alike; the boundary cannot be certified, training goes on.
+                logger.error("SCOUT: replay check at step %d failed: %s", self.step_count + 1, exc)
+                self._boundary_verdict = "incomplete"
+                result = None
             if result is not None:
                 self._note_replay_result(result)
         if self.manager is not None:
@@ -253,7 +260,7 @@ class ResiliencySession:
             return
         if self._fault_callback is not None:
             self._fault_callback(result)
-        if isinstance(self._orchestration, OrchestrationHooks):
+        if self._orchestration is not None:
             dispatch_replay_faults(result, self._orchestration,
                                    topology=self.manager.topology if self.manager else None,
                                    step_source=self._local_checkpoint)
@@ -274,9 +281,9 @@ class ResiliencySession:
         """Runs on the monitor thread: never touches the (possibly blocked) training process group."""
         decision = self._decide(report.kind if report.kind != "hang" else "hang", all_ranks_accessible=True)
         hooks = self._orchestration
-        if getattr(hooks, "report_recovery", None) is not None:
+        if hooks is not None and hooks.report_recovery is not None:
             hooks.report_recovery(decision)
-        if getattr(hooks, "report_fault", None) is not None:
+        if hooks is not None and hooks.report_fault is not None:
             hooks.report_fault(report)
         if self._oob_fault_callback is not None:
             self._oob_fault_callback(report)
@@ -301,7 +308,7 @@ class ResiliencySession:
         return self.scout.instrument_dataloader(dataloader, name)
 
     @contextlib.contextmanager
-    def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
+    def checkpoint_io(self, kind: str, name: str = "checkpoint") -> Iterator[None]:
         """Marks a framework checkpoint read or write (for out-of-band stall localization)."""
         if kind not in ("read", "write"):
             raise ValueError(f"checkpoint_io(kind=...): expected 'read' or 'write', got {kind!r}")
@@ -358,9 +365,8 @@ class ResiliencySession:
         hand the decision to orchestration. A hang or uncertain failure has no full replay sweep
         to rely on here, so it selects RECOVERY_VERIFIED (missing evidence is not clean evidence)."""
         decision = self._decide(failure, all_ranks_accessible)
-        report = getattr(self._orchestration, "report_recovery", None)
-        if report is not None:
-            report(decision)
+        if self._orchestration is not None and self._orchestration.report_recovery is not None:
+            self._orchestration.report_recovery(decision)
         return decision
 
     def _decide(self, failure: str, all_ranks_accessible: bool) -> RecoveryDecision:
@@ -397,6 +403,27 @@ class ResiliencySession:
                 except (RuntimeError, ValueError) as exc:
                     logger.debug("lm-resiliency: agreement group already gone: %s", exc)
             self._agreement_group = None
+
+
+def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:
+    """Every capture boundary needs an accepted SCOUT check at that step (GEMINI guide,
+    "Checkpoint Validation"), so some check class must run at every capture step."""
+    classes = ("embedding", "hidden", "output", "optimizer")
+    if not any(capture_interval % replay.interval_for(c) == 0 for c in classes):
+        intervals = {c: replay.interval_for(c) for c in classes}
+        raise ValueError(
+            f"InMemoryCkptConfig.interval={capture_interval} is not a multiple of any SCOUT check interval "
+            f"{intervals}; captures would never have an accepted check at their step and would all be vetoed. "
+            "Use the shared enable_resiliency(interval=...) or align ReplayHarnessConfig.*_check_interval.")
+
+
+def _as_hooks(orchestration: Any) -> Optional[OrchestrationHooks]:
+    """Accept OrchestrationHooks or any object with the same (optional) callables."""
+    if orchestration is None or isinstance(orchestration, OrchestrationHooks):
+        return orchestration
+    return OrchestrationHooks(report_fault=getattr(orchestration, "report_fault", None),
+                              report_recovery=getattr(orchestration, "report_recovery", None),
+                              restart_destination=getattr(orchestration, "restart_destination", None))
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:

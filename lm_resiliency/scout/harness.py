@@ -11,6 +11,7 @@ the training thread is stuck in a collective.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from typing import Any, Callable, Dict, List, Optional
@@ -21,7 +22,7 @@ from torch import nn
 from lm_resiliency import wire
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
-from lm_resiliency.scout.monitor import OOBMonitor, ProgressBeacon
+from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
 from lm_resiliency.scout.peers import dense_peer_groups
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
@@ -29,6 +30,8 @@ from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
 
 logger = logging.getLogger(__name__)
+
+_SESSIONS = itertools.count()
 
 
 class ScoutHarness:
@@ -57,8 +60,9 @@ class ScoutHarness:
                 if self.rank in ranks:
                     replay_group, group_ranks = created, list(ranks)
         if sharded:
-            logger.warning("SCOUT: replay of FSDP2/HSDP-sharded modules is not supported yet; SDC replay "
-                           "checks are off for this model (stragglers and the out-of-band monitor stay on)")
+            logger.warning("SCOUT: replay of FSDP2/HSDP-sharded modules is not supported yet; SDC replay checks, "
+                           "replay-timed stragglers, collective probes and checkpoint certification are off for "
+                           "this model (the out-of-band hang/stall monitor stays on)")
         else:
             try:
                 self.detector = ReplayDetector(model, optimizer, config, group=replay_group,
@@ -71,8 +75,10 @@ class ScoutHarness:
             self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
         if distributed:
             store = dist.distributed_c10d._get_default_store()
+            # Sessions are created in the same order on every rank: the count keys their snapshots apart.
+            prefix = f"{DEFAULT_PREFIX}/session-{next(_SESSIONS)}"
             self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,
-                                      on_report=on_oob_report, host=hosts.get(self.rank)).start()
+                                      on_report=on_oob_report, host=hosts.get(self.rank), prefix=prefix).start()
             self._trace = trace_collectives(self.beacon)
 
     def _hosts(self, distributed: bool) -> Dict[int, str]:
@@ -106,6 +112,8 @@ class ScoutHarness:
 
     def after_optimizer_step(self, step: int) -> None:
         self.beacon.progress(step)
+        if self.monitor is not None:
+            self.monitor.check()  # a failed report callback or a dead monitor surfaces here
 
     def instrument_dataloader(self, dataloader: Any, name: str) -> Any:
         return instrument_dataloader(dataloader, self.beacon, name)

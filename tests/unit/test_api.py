@@ -221,3 +221,24 @@ def test_capture_is_not_torn_by_buffers_changed_in_the_next_forward(tmp_path):
 def _objects_bn():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_capture_interval_without_a_check_at_its_steps_is_refused(tmp_path):
+    from lm_resiliency import ReplayHarnessConfig
+
+    model, optimizer = _objects()
+    with pytest.raises(ValueError, match=r"InMemoryCkptConfig.interval=10 is not a multiple of any SCOUT check"):
+        enable_resiliency(model, optimizer, checkpoint=_config(tmp_path, interval=10),
+                          replay=ReplayHarnessConfig(check_interval=20))
+    assert not _lm_threads()
+
+
+def test_checkpoint_io_marks_framework_checkpoints_with_scout_on(tmp_path):
+    model, optimizer = _objects()
+    session = enable_resiliency(model, optimizer, checkpoint=_config(tmp_path))
+    with session.checkpoint_io("write"):
+        pass
+    with pytest.raises(ValueError, match="expected 'read' or 'write'"):
+        with session.checkpoint_io("delete"):
+            pass
+    session.close()
