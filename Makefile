@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := .ci/constraints.txt
-# The test suite exercises the real frameworks (Lightning, Accelerate, DeepSpeed) on CPU.
-EXTRAS ?= test,lightning,accelerate,deepspeed
+# The test suite exercises the real frameworks (Lightning, Accelerate, DeepSpeed) on CPU and
+# the demo's timeline picture (matplotlib).
+EXTRAS ?= test,demo,lightning,accelerate,deepspeed
 comma := ,
 # DeepSpeed compiles its ops at first use; keep them in the venv so later runs reuse them.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
@@ -31,8 +32,10 @@ test: venv
 test-slow: venv
 	$(PY) -m pytest -q -m slow
 
-demo: venv
-	$(PY) examples/gemini_kill_recover.py
+# The demo needs the `demo` extra (matplotlib for its timeline picture): its own stamp, test,demo.
+demo:
+	$(MAKE) --no-print-directory venv EXTRAS=test,demo
+	$(PY) examples/resiliency_demo.py
 
 bench: venv
 	$(PY) -m benchmarks.gemini_bench

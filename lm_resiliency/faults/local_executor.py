@@ -229,6 +229,9 @@ class LocalFaultExecutor(FaultExecutor):
     def _stall(self, request: FaultExecutionRequest) -> FaultExecutionResult:
         t, p = request.type, request.parameters
         seconds = float(p.get("seconds", 0.0))
+        if t is F.HANG and request.commit is not None:
+            # A hang usually ends with the process being killed: record the ground truth first.
+            request.commit({"seconds": seconds, "phase": request.phase, "journaled": "before blocking"})
         started = time.monotonic()
         if seconds > 0:
             self._sleep(seconds)

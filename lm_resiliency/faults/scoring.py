@@ -87,8 +87,15 @@ class LocalizationResult:
 
     @classmethod
     def from_fault_report(cls, report: "SCOUTFaultReport") -> "LocalizationResult":
-        """Convert a SCOUT fault report (kind, scope, ranks, hosts, resource, step, detected_at)."""
-        return cls(ranks=tuple(report.ranks), kind=report.kind, iteration=report.step,
+        """Convert a SCOUT fault report (kind, scope, ranks, hosts, resource, step, detected_at).
+
+        Out-of-band reports (hang, DataLoader and checkpoint I/O stalls) carry the culprit's last
+        *completed* step; the stall happened in the iteration after it. Replay reports carry the
+        step being checked, which is the iteration itself."""
+        iteration = report.step
+        if iteration is not None and report.kind in _OUT_OF_BAND_KINDS:
+            iteration += 1
+        return cls(ranks=tuple(report.ranks), kind=report.kind, iteration=iteration,
                    detected_at=report.detected_at, scope=report.scope, resource=report.resource,
                    hosts=tuple(report.hosts), confidence=float(report.confidence), source="scout",
                    evidence=_plain_json(report.evidence))
@@ -106,6 +113,9 @@ class LocalizationResult:
                 "source", "occurrence_id", "evidence")
         r = ObjectReader(doc, path, ("ranks", "kind"), keys[2:])
         return build(cls, path, **r.kwargs(*keys))
+
+
+_OUT_OF_BAND_KINDS = frozenset({"hang", "dataloader_stall", "checkpoint_io_stall"})
 
 
 def _plain_json(value: Any) -> Any:
