@@ -1,0 +1,447 @@
+"""Lightning surface: `ResiliencyCallback`, the whole integration for a Lightning `Trainer`.
+
+    from lm_resiliency.callbacks.lightning import ResiliencyCallback
+    trainer = Trainer(..., callbacks=[ResiliencyCallback(interval=10, run_id="my-run")])
+    trainer.fit(model)          # after a crash, the same call resumes from the newest GEMINI step
+
+Or with no code change: `LM_RESILIENCY=1` (or a policy-file path) in the environment adds the
+callback through Lightning's `callbacks_factory` entry point (`callbacks_from_env`).
+
+Lifecycle translation (the adapter holds the state; the session does capture/replay/recovery):
+
+    on_fit_start              session built (collective) and recover(); recovered state handed to
+                              Lightning's checkpoint connector, which restores it with its own code
+    on_train_start            restored global_step verified; plain dataloaders repositioned
+    on_train_batch_start      first micro-batch of an optimizer step: before_forward
+    on_before_optimizer_step  before_optimizer_step (SCOUT replay, GEMINI copy completed)
+    on_train_batch_end        global_step advanced: after_optimizer_step (once per real step;
+                              accumulation micro-batches do not count); SCOUT findings -> loggers
+    teardown("fit")           last capture completed, session closed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.recovery import RecoveryMode
+from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
+from lm_resiliency.session import ResiliencySession
+
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "LM_RESILIENCY"
+INTERVAL_ENV = "LM_RESILIENCY_INTERVAL"
+METRIC_PREFIX = "lm_resiliency/"
+_OFF = {"", "0", "false", "no", "off"}
+_ON = {"1", "true", "yes", "on"}
+
+
+def _callback_bases() -> tuple:
+    """`lightning.pytorch.Callback` and the `pytorch_lightning.Callback` alias, whichever exist,
+    so one class works with either package's Trainer."""
+    bases = []
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except ModuleNotFoundError:  # `lightning` itself missing
+            found = False
+        if found:
+            bases.append(importlib.import_module(f"{package}.callbacks").Callback)
+    if not bases:
+        raise ImportError("lm_resiliency.callbacks.lightning needs `lightning` "
+                          "(pip install 'lm-resiliency[lightning]')")
+    return tuple(bases)
+
+
+def _positive_interval(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: interval must be a positive int number of optimizer steps, got {value!r}")
+    return value
+
+
+class ResiliencyCallback(*_callback_bases()):
+    """GEMINI in-memory checkpoints and SCOUT checks for a Lightning `Trainer`.
+
+    Arguments mirror `enable_resiliency`: `interval` (shared capture/check cadence; overrides
+    `checkpoint.interval` and `replay.check_interval`), `checkpoint` (`InMemoryCkptConfig`),
+    `replay` (`ReplayHarnessConfig`), `enable_checkpoint`, `enable_detection`, `recovery_mode`,
+    `orchestration`, `fault_callback`, `oob_fault_callback`, `durable_checkpoint`,
+    `extra_state_fn` / `load_extra_state_fn` (state Lightning does not own). Lightning-specific:
+    `run_id` (the identity a restarted job must share to recover; also via
+    LM_RESILIENCY_RUN_ID or torchrun's run id), `disk_folder` (shortcut for
+    `checkpoint.disk_folder`) and `log_metrics` (SCOUT and GEMINI metrics to the Trainer's loggers).
+    """
+
+    def __init__(self, interval: Optional[int] = None, checkpoint: Optional[InMemoryCkptConfig] = None,
+                 replay: Optional[ReplayHarnessConfig] = None, *, enable_checkpoint: bool = True,
+                 enable_detection: bool = True, run_id: Optional[str] = None, disk_folder: Optional[str] = None,
+                 recovery_mode: "RecoveryMode | str | None" = None, orchestration: Any = None,
+                 extra_state_fn: Optional[Callable[[], Dict[str, Any]]] = None,
+                 load_extra_state_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 fault_callback: Optional[Callable[[ReplayResult], None]] = None,
+                 oob_fault_callback: Optional[Callable[[SCOUTFaultReport], None]] = None,
+                 durable_checkpoint: Any = None, log_metrics: bool = True) -> None:
+        if checkpoint is not None and not isinstance(checkpoint, InMemoryCkptConfig):
+            raise TypeError(f"ResiliencyCallback(checkpoint=...): expected an InMemoryCkptConfig, got "
+                            f"{type(checkpoint).__name__}")
+        if replay is not None and not isinstance(replay, ReplayHarnessConfig):
+            raise TypeError(f"ResiliencyCallback(replay=...): expected a ReplayHarnessConfig, got "
+                            f"{type(replay).__name__}")
+        for name, value in (("enable_checkpoint", enable_checkpoint), ("enable_detection", enable_detection),
+                            ("log_metrics", log_metrics)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ResiliencyCallback({name}=...): must be True or False, got {value!r}")
+        config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
+        replay_config = replay if replay is not None else ReplayHarnessConfig()
+        if interval is not None:
+            interval = _positive_interval(interval, "ResiliencyCallback(interval=...)")
+            config = dataclasses.replace(config, interval=interval)
+            replay_config = dataclasses.replace(replay_config, check_interval=interval)
+        if run_id is not None:
+            config = dataclasses.replace(config, run_id=run_id)
+        if disk_folder is not None:
+            config = dataclasses.replace(config, disk_folder=os.fspath(disk_folder))
+        self._config = config
+        self._replay = replay_config
+        self._session_options = dict(
+            enable_checkpoint=enable_checkpoint, enable_detection=enable_detection,
+            extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+            recovery_mode=RecoveryMode(recovery_mode) if recovery_mode is not None else None,
+            orchestration=orchestration, durable_checkpoint=durable_checkpoint)
+        self._user_fault_callback = fault_callback
+        self._user_oob_fault_callback = oob_fault_callback
+        self._log_metrics = log_metrics
+        self.from_entry_point = False
+        self.session: Optional[ResiliencySession] = None
+        self.adapter: Any = None
+        self.recovered_step: Optional[int] = None
+        self.topology: Any = None  # the adapter's Topology of the last fit
+        self.captured_step = -1    # newest complete GEMINI capture when training ended (the last one
+        #                            completes at teardown)
+        self._active = True
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._last_global_step = 0
+        self._window_open = False
+        self._logged_result: Optional[ReplayResult] = None
+        self._logged_gemini_step = -1
+        self._oob_lock = threading.Lock()
+        self._oob_reports: List[SCOUTFaultReport] = []
+
+    @property
+    def config(self) -> InMemoryCkptConfig:
+        return self._config
+
+    def __getstate__(self) -> dict:
+        # ddp_spawn pickles the Trainer with its callbacks; a live session never travels.
+        state = self.__dict__.copy()
+        state.update(session=None, adapter=None, _oob_lock=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._oob_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- setup
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        from lm_resiliency.adapters.lightning import strategy_kind
+
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, ResiliencyCallback)]
+        explicit = [cb for cb in mine if not cb.from_entry_point]
+        if len(explicit) > 1:
+            raise RuntimeError(f"Trainer(callbacks=...) holds {len(explicit)} ResiliencyCallback instances; one "
+                               "callback protects the whole run, pass exactly one")
+        # An explicit callback wins over the one the LM_RESILIENCY entry point added.
+        self._active = self is (explicit or mine)[0]
+        if not self._active:
+            logger.info("lm-resiliency: the entry-point ResiliencyCallback is inactive; an explicit one is configured")
+            return
+        strategy_kind(trainer)  # a clear error before anything runs
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self._active:
+            return
+        from lm_resiliency.adapters.lightning import LightningAdapter
+
+        self._close_session()
+        self._reset_run_state()
+        self.recovered_step = None
+        config = self._config
+        if config.run_id is None and not (os.environ.get("LM_RESILIENCY_RUN_ID")
+                                          or os.environ.get("TORCHELASTIC_RUN_ID")):
+            logger.warning("lm-resiliency: no run id is set, so a relaunched job cannot find this run's GEMINI "
+                           "state; pass ResiliencyCallback(run_id=...) or set LM_RESILIENCY_RUN_ID (torchrun sets "
+                           "one for its restarts)")
+        adapter = LightningAdapter(trainer, skip_replication_if_hsdp=config.skip_replication_if_hsdp)
+        session = ResiliencySession(adapter, checkpoint=config, replay=self._replay,
+                                    fault_callback=self._on_replay_fault, oob_fault_callback=self._on_oob_fault,
+                                    **self._session_options)
+        self.session, self.adapter = session, adapter
+        self.topology = adapter.topology()
+        try:
+            if int(trainer.global_step) > 0:
+                # A second fit() on a live Trainer continues from its in-memory state, which is
+                # newer than anything GEMINI holds.
+                logger.info("lm-resiliency: continuing the live Trainer at global_step %d; no recovery",
+                            trainer.global_step)
+            else:
+                with session.checkpoint_io("read", name="gemini_recover"):
+                    step = session.recover()
+                if session.recovered_from == "gemini":
+                    adapter.hand_to_lightning()
+                    self.recovered_step = step
+        except BaseException:
+            self._close_session()
+            raise
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.session is None:
+            return
+        self.adapter.on_train_start()
+        if self.session.recovered_from != "gemini":
+            # Fresh, or Lightning loaded a ckpt_path (the durable fallback): count from its step.
+            self.session.step_count = int(trainer.global_step)
+        self._last_global_step = int(trainer.global_step)
+        self._window_open = False
+        if self.recovered_step is not None:
+            self._emit(trainer, {"recovered_step": float(self.recovered_step)})
+
+    # ------------------------------------------------------------- step hooks
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.session is None or self._window_open:
+            return
+        self._window_open = True  # later micro-batches of this optimizer step are not new forwards
+        self.adapter.before_batch()
+        self.adapter.step_callbacks.before_forward()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.session is not None:
+            self.adapter.step_callbacks.before_optimizer_step()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        session = self.session
+        if session is None:
+            return
+        step = int(trainer.global_step)
+        if step > self._last_global_step:
+            for _ in range(step - self._last_global_step):
+                self.adapter.step_callbacks.after_optimizer_step()
+            self._last_global_step = step
+            self._window_open = False
+            if session.manager is not None and session.step_count % session.config.interval == 0:
+                self.adapter.mark_boundary()
+        if self._log_metrics:
+            self._log_findings(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.session is not None and self.session.manager is not None:
+            self.captured_step = self.session.manager.latest_step
+
+    # -------------------------------------------------------------- teardown
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        session = self.session
+        if session is None:
+            return
+        try:
+            step = session.flush_for_restart()
+            logger.warning("lm-resiliency: %s during fit; GEMINI step %d is on node-local disk for the restart",
+                           type(exception).__name__, step)
+        except Exception:  # noqa: BLE001 - the training exception must surface, not this one
+            logger.exception("lm-resiliency: flushing GEMINI state after %s failed", type(exception).__name__)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close_session()
+
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+        self.adapter = None
+
+    # --------------------------------------------------------------- metrics
+
+    def _on_replay_fault(self, result: ReplayResult) -> None:
+        if self._user_fault_callback is not None:
+            self._user_fault_callback(result)
+
+    def _on_oob_fault(self, report: SCOUTFaultReport) -> None:
+        # Runs on SCOUT's monitor thread: queue it for the training thread's next log point.
+        with self._oob_lock:
+            self._oob_reports.append(report)
+        if self._user_oob_fault_callback is not None:
+            self._user_oob_fault_callback(report)
+
+    def _log_findings(self, trainer: Any) -> None:
+        metrics: Dict[str, float] = {}
+        result = self.session.last_replay_result
+        if result is not None and result is not self._logged_result:
+            self._logged_result = result
+            metrics.update(replay_metrics(result))
+        manager = self.session.manager
+        if manager is not None and manager.latest_step != self._logged_gemini_step and manager.latest_step >= 0:
+            self._logged_gemini_step = manager.latest_step
+            metrics["gemini_captured_step"] = float(manager.latest_step)
+        with self._oob_lock:
+            reports, self._oob_reports = self._oob_reports, []
+        if reports:
+            metrics.update(oob_metrics(reports))
+        if metrics:
+            self._emit(trainer, metrics)
+
+    def _emit(self, trainer: Any, metrics: Dict[str, float]) -> None:
+        named = {METRIC_PREFIX + key: value for key, value in metrics.items()}
+        for lightning_logger in trainer.loggers:
+            lightning_logger.log_metrics(named, step=trainer.global_step)
+
+
+def replay_metrics(result: ReplayResult) -> Dict[str, float]:
+    """Logger metrics for one SCOUT replay result (same on every rank of the check)."""
+    faulty = sorted({rank for check in result.checks for rank in check.faulty})
+    slow = [finding for finding in result.stragglers if finding.confirmed]
+    metrics = {
+        "scout_checks": float(len(result.checks)),
+        "scout_healthy": 1.0 if result.healthy else 0.0,
+        "scout_sdc": 1.0 if result.sdc else 0.0,
+        "scout_inconclusive": 1.0 if result.inconclusive else 0.0,
+        "scout_suspect_ranks": float(len(faulty)),
+        "scout_stragglers": float(len(slow)),
+    }
+    for rank in faulty:
+        metrics[f"scout_sdc_rank_{rank}"] = 1.0
+    for finding in slow:
+        for rank in finding.ranks:
+            metrics[f"scout_{finding.kind}_straggler_rank_{rank}"] = float(finding.slowdown)
+    return metrics
+
+
+def oob_metrics(reports: List[SCOUTFaultReport]) -> Dict[str, float]:
+    """Logger metrics for out-of-band reports (hang, dataloader stall, checkpoint I/O stall)."""
+    metrics: Dict[str, float] = {"oob_faults": float(len(reports))}
+    for report in reports:
+        metrics[f"oob_{report.kind}"] = metrics.get(f"oob_{report.kind}", 0.0) + 1.0
+        for rank in report.ranks:
+            metrics[f"oob_{report.kind}_rank_{rank}"] = 1.0
+    return metrics
+
+
+# ------------------------------------------------------------ zero-code opt-in
+
+_POLICY_KEYS = {"interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "run_id",
+                "disk_folder", "recovery_mode", "log_metrics"}
+
+
+def _env_int(env: Dict[str, str], name: str, minimum: int) -> Optional[int]:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value
+
+
+def policy_from_env(environ: Optional[Dict[str, str]] = None) -> Optional[Dict[str, Any]]:
+    """ResiliencyCallback keyword arguments from the environment, or None when LM_RESILIENCY is off.
+
+    LM_RESILIENCY                      1/true/yes/on enables; unset/empty/0/false/no/off: inert;
+                                       any other value is the path of a policy file (.toml/.json)
+    LM_RESILIENCY_INTERVAL             capture (and SCOUT check) every N optimizer steps (default 10)
+    LM_RESILIENCY_DIR                  node-local checkpoint folder (default ./checkpoints)
+    LM_RESILIENCY_DISK_FLUSH_INTERVAL  flush to that folder every N steps (default 100; 0: never)
+    LM_RESILIENCY_SHM_DIR              host-slot directory (default /dev/shm/lm-resiliency-<uid>)
+    LM_RESILIENCY_DETECTION            0 turns SCOUT off (default on)
+    LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
+
+    The variables are the ones the Accelerate flag reads. A policy file holds the keys of
+    `_POLICY_KEYS` (`checkpoint` and `replay` are tables of InMemoryCkptConfig and
+    ReplayHarnessConfig fields); variables that are set override it. Unknown keys, bad values
+    and missing files raise ConfigError naming them."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENABLE_ENV, "").strip()
+    if raw.lower() in _OFF:
+        return None
+    policy: Dict[str, Any] = {} if raw.lower() in _ON else _read_policy_file(raw)
+    interval = _env_int(env, INTERVAL_ENV, 1)
+    if interval is not None:
+        policy["interval"] = interval
+    directory = env.get("LM_RESILIENCY_DIR", "").strip()
+    if directory:
+        policy["disk_folder"] = directory
+    overrides: Dict[str, Any] = {}
+    shm = env.get("LM_RESILIENCY_SHM_DIR", "").strip()
+    if shm:
+        overrides["shared_memory_dir"] = shm
+    flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
+    if flush is not None:
+        overrides["disk_flush_interval"] = flush
+    if overrides:
+        policy["checkpoint"] = dataclasses.replace(policy.get("checkpoint", InMemoryCkptConfig()), **overrides)
+    detection = env.get("LM_RESILIENCY_DETECTION", "").strip().lower()
+    if detection:
+        if detection not in _ON | (_OFF - {""}):
+            raise ConfigError(f"LM_RESILIENCY_DETECTION={env.get('LM_RESILIENCY_DETECTION')!r}: expected 1 or 0")
+        policy["enable_detection"] = detection in _ON
+    return policy
+
+
+def _read_policy_file(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
+                          "and no such file exists")
+    if path.endswith(".toml"):
+        import tomllib
+
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    elif path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    else:
+        raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
+    if not isinstance(data, dict):
+        raise ConfigError(f"policy file {path}: expected a table/object at the top level")
+    unknown = sorted(set(data) - _POLICY_KEYS)
+    if unknown:
+        raise ConfigError(f"policy file {path}: unknown keys {unknown}; allowed: {sorted(_POLICY_KEYS)}")
+    policy = dict(data)
+    for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
+        if key in policy:
+            table = policy[key]
+            fields = {f.name for f in dataclasses.fields(cls)}
+            if not isinstance(table, dict) or set(table) - fields:
+                bad = sorted(set(table) - fields) if isinstance(table, dict) else table
+                raise ConfigError(f"policy file {path}: [{key}] has unknown fields {bad}; allowed: {sorted(fields)}")
+            policy[key] = cls(**table)
+    return policy
+
+
+def callbacks_from_env() -> List[Any]:
+    """Entry point for `lightning.pytorch.callbacks_factory` (and `pytorch_lightning.callbacks_factory`):
+    a ResiliencyCallback when LM_RESILIENCY is set, otherwise nothing."""
+    policy = policy_from_env()
+    if policy is None:
+        return []
+    callback = ResiliencyCallback(**policy)
+    callback.from_entry_point = True
+    return [callback]
+
+
+__all__ = ["ResiliencyCallback", "callbacks_from_env", "policy_from_env", "replay_metrics", "oob_metrics"]

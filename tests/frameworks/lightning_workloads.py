@@ -1,0 +1,354 @@
+"""Lightning training runs for the ResiliencyCallback tests (module level: child ranks import them).
+
+Each rank function builds an ordinary Lightning program — LightningModule, DataLoader, Trainer —
+and adds `ResiliencyCallback`; the test harness provides the torch.distributed environment
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT) that Lightning's
+TorchElastic environment detection picks up, so Lightning does not spawn processes itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+
+from lm_resiliency import InMemoryCkptConfig
+from lm_resiliency.callbacks.lightning import ResiliencyCallback
+
+
+class Net(L.LightningModule):
+    """Bias-free layers registered head first, i.e. in the order backward produces their
+    gradients. DDP buckets gradients in registration order in its first iteration and in
+    backward order afterwards; with this order both agree, so a restarted DDP run (whose first
+    iteration uses registration order) sums gradients exactly like an uninterrupted one and
+    the comparison can be bitwise (docs/api.md, "DDP and bitwise resume")."""
+
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__()
+        self.head = nn.Linear(32, 4, bias=False)
+        self.body = nn.Linear(16, 32, bias=False)
+        self.drop = nn.Dropout(0.1)  # RNG restore matters
+        self.samples = samples
+        self.seen: List[tuple] = []   # (global_step before the step, batch checksum): the data position
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.body(x))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((int(self.trainer.global_step), float(x.double().sum())))
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1234)
+        data = TensorDataset(torch.randn(self.samples, 16, generator=g), torch.randn(self.samples, 4, generator=g))
+        return DataLoader(data, batch_size=4, shuffle=True)  # Lightning adds a seeded DistributedSampler
+
+
+class ManualNet(Net):
+    """Net with manual optimization: the training step calls the optimizer and scheduler itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        self.seen.append((int(self.trainer.global_step), float(x.double().sum())))
+        loss = nn.functional.mse_loss(self(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()
+        return loss
+
+
+class KillAt(Callback):
+    """SIGKILLs this rank right after optimizer step `step` (no cleanup of any kind runs)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _config(folder: str, run_id: str) -> InMemoryCkptConfig:
+    return InMemoryCkptConfig(disk_folder=os.path.join(folder, "gemini"), run_id=run_id, replication_jump=1,
+                              disk_flush_interval=0, timeout_s=60,
+                              shared_memory_dir=os.path.join(folder, "shm"))
+
+
+def final_state(trainer: Any, model: Net) -> Dict[str, Any]:
+    optimizer = trainer.optimizers[0]
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for i, s in optimizer.state_dict()["state"].items()},
+        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "global_step": int(trainer.global_step),
+        "epoch": int(trainer.current_epoch),
+        "torch_rng": torch.get_rng_state(),
+    }
+
+
+def fit_ddp(rank: int, world: int, folder: str, max_steps: int, *, accumulate: int = 1,
+            kill_at: Optional[int] = None, resilient: bool = True, interval: int = 2,
+            run_id: str = "lightning-ddp", strategy: str = "ddp", manual: bool = False) -> Dict[str, Any]:
+    """One `trainer.fit` on this rank. Returns the recovered step, the data seen and the final state."""
+    L.seed_everything(0, verbose=False)
+    model = ManualNet() if manual else Net()
+    callbacks: List[Callback] = []
+    callback = None
+    if resilient:
+        callback = ResiliencyCallback(interval=interval, checkpoint=_config(folder, run_id))
+        callbacks.append(callback)
+    if kill_at is not None:
+        callbacks.append(KillAt(kill_at))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps,
+                        accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=folder)
+    trainer.fit(model)
+    return {"recovered": callback.recovered_step if callback is not None else None,
+            "seen": list(model.seen), "state": final_state(trainer, model)}
+
+
+def kill_then_resume_and_baseline(rank: int, world: int, folder: str, max_steps: int, accumulate: int,
+                                  phase: str, manual: bool = False) -> Any:
+    """phase 'kill': train with the callback and die at step 7. phase 'resume': resume the same run
+    to completion, then (same processes) run an uninterrupted baseline without lm-resiliency."""
+    if phase == "kill":
+        return fit_ddp(rank, world, folder, max_steps, accumulate=accumulate, kill_at=7, manual=manual)
+    resumed = fit_ddp(rank, world, folder, max_steps, accumulate=accumulate, manual=manual)
+    baseline = fit_ddp(rank, world, os.path.join(folder, "baseline"), max_steps, accumulate=accumulate,
+                       resilient=False, manual=manual)
+    return resumed, baseline
+
+
+# ------------------------------------------------------------------ ModelParallelStrategy (dp x tp)
+
+
+class TPNet(L.LightningModule):
+    """A two-layer MLP block, tensor-parallel (column then row) over the 'tensor_parallel' mesh
+    dimension and FSDP2-sharded over 'data_parallel' in `configure_model`, the way Lightning's
+    ModelParallelStrategy expects."""
+
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(16, 32, bias=False)
+        self.w2 = nn.Linear(32, 4, bias=False)
+        self.samples = samples
+        self.seen: List[tuple] = []
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if any(type(p).__name__ == "DTensor" for p in self.parameters()):
+            return
+        parallelize_module(self, self.device_mesh["tensor_parallel"],
+                           {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+    def forward(self, x):
+        return self.w2(torch.tanh(self.w1(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((int(self.trainer.global_step), float(x.double().sum())))
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1234)
+        data = TensorDataset(torch.randn(self.samples, 16, generator=g), torch.randn(self.samples, 4, generator=g))
+        return DataLoader(data, batch_size=4, shuffle=True)
+
+
+def _local(value: Any) -> Any:
+    return value.to_local().detach().clone() if hasattr(value, "to_local") else (
+        value.detach().clone() if torch.is_tensor(value) else value)
+
+
+def fit_model_parallel(rank: int, world: int, folder: str, max_steps: int, phase: str) -> Any:
+    """dp=2 x tp=2 on 4 ranks. phase 'kill' dies after step 7; 'resume' resumes, then runs an
+    uninterrupted baseline in the same processes."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    def one(run_folder: str, resilient: bool, kill_at: Optional[int]) -> Dict[str, Any]:
+        L.seed_everything(0, verbose=False)
+        model = TPNet()
+        callbacks: List[Callback] = []
+        callback = None
+        if resilient:
+            callback = ResiliencyCallback(interval=2, checkpoint=_config(run_folder, "lightning-mp"))
+            callbacks.append(callback)
+        if kill_at is not None:
+            callbacks.append(KillAt(kill_at))
+        trainer = L.Trainer(accelerator="cpu", devices=world,
+                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=world // 2),
+                            max_steps=max_steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            default_root_dir=run_folder)
+        trainer.fit(model)
+        optimizer = trainer.optimizers[0]
+        state = {"model": {k: _local(v) for k, v in model.state_dict().items()},
+                 "optimizer": {i: {k: _local(v) for k, v in s.items()}
+                               for i, s in optimizer.state_dict()["state"].items()},
+                 "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                 "global_step": int(trainer.global_step)}
+        topology = dict(callback.topology.descriptor) if callback is not None else None
+        return {"recovered": callback.recovered_step if callback else None, "seen": list(model.seen),
+                "state": state, "topology": topology}
+
+    if phase == "kill":
+        return one(folder, True, 7)
+    return one(folder, True, None), one(os.path.join(folder, "baseline"), False, None)
+
+
+# ------------------------------------------------------------------ observers used by the tests
+
+
+class MemoryLogger(Logger):
+    """A real Lightning logger that keeps what it is given (on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: List[tuple] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+
+class RecordCaptures(Callback):
+    """Records the step of every GEMINI capture the ResiliencyCallback's session starts."""
+
+    def __init__(self, resiliency: ResiliencyCallback) -> None:
+        self.resiliency = resiliency
+        self.captures: List[int] = []
+        self.session_steps: List[tuple] = []
+
+    def on_train_start(self, trainer, pl_module):
+        manager = self.resiliency.session.manager
+        original = manager.save
+
+        def save(state, step):
+            self.captures.append(step)
+            return original(state, step)
+
+        manager.save = save
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.session_steps.append((int(trainer.global_step), self.resiliency.session.step_count))
+
+
+class CorruptAt(Callback):
+    """Silent data corruption on one rank: perturbs a weight right before step `step`'s forward."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                pl_module.body.weight[0, 0] += 1.0
+
+
+def fit_observed(rank: int, world: int, folder: str, max_steps: int, accumulate: int,
+                 corrupt: Optional[tuple] = None) -> Dict[str, Any]:
+    """A DDP fit with the callback, an in-memory logger and capture recording (no kill)."""
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    resiliency = ResiliencyCallback(interval=2, checkpoint=_config(folder, "lightning-observed"))
+    recorder = RecordCaptures(resiliency)
+    callbacks: List[Callback] = [resiliency, recorder]
+    if corrupt is not None:
+        callbacks.append(CorruptAt(*corrupt))
+    memory = MemoryLogger()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=max_steps,
+                        accumulate_grad_batches=accumulate, callbacks=callbacks, logger=memory,
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=folder)
+    trainer.fit(model)
+    return {"captures": recorder.captures, "session_steps": recorder.session_steps,
+            "batches": len(model.seen), "metrics": memory.metrics, "global_step": int(trainer.global_step)}
+
+
+# ------------------------------------------------------------------ single process, validation + callbacks
+
+
+class ValidatedNet(Net):
+    """Net with validation (run right after the captured step 6) and in-order data."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1234)
+        data = TensorDataset(torch.randn(self.samples, 16, generator=g), torch.randn(self.samples, 4, generator=g))
+        return DataLoader(data, batch_size=4)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def fit_single_with_validation(rank: int, world: int, folder: str, phase: str) -> Any:
+    """One process: validation every 3 steps, ModelCheckpoint and EarlyStopping (whose states
+    GEMINI carries), killed after step 7 ('kill'), then resumed and compared ('resume')."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    def one(run_folder: str, resilient: bool, kill_at: Optional[int]) -> Dict[str, Any]:
+        L.seed_everything(0, verbose=False)
+        model = ValidatedNet(samples=40)  # 10 batches per epoch
+        resiliency = ResiliencyCallback(interval=2, checkpoint=_config(run_folder, "lightning-single"))
+        checkpoint = ModelCheckpoint(dirpath=os.path.join(run_folder, "ckpt"), monitor="val_loss", save_top_k=2)
+        stopping = EarlyStopping("val_loss", patience=100)
+        callbacks: List[Callback] = ([resiliency] if resilient else []) + [checkpoint, stopping]
+        if kill_at is not None:
+            callbacks.append(KillAt(kill_at))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=14, val_check_interval=3, callbacks=callbacks,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, default_root_dir=run_folder)
+        trainer.fit(model)
+        state = final_state(trainer, model)
+        state["best_score"] = checkpoint.best_model_score
+        state["stopping_best"] = stopping.best_score
+        state["best_k"] = sorted(os.path.basename(p) for p in checkpoint.best_k_models)
+        return {"recovered": resiliency.recovered_step if resilient else None, "seen": list(model.seen),
+                "state": state}
+
+    if phase == "kill":
+        return one(folder, True, 7)
+    return one(folder, True, None), one(os.path.join(folder, "baseline"), False, None)
