@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +31,11 @@ _DTYPES: Dict[str, torch.dtype] = {
 }
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_PLAIN_SCALARS = (str, int, bool)
+_PLAIN_KEYS = (str, int)
+
+
 class StateEncodingError(TypeError):
     """A value in the state cannot be captured safely (no pickle fallback exists)."""
 
@@ -39,8 +45,8 @@ class StateSchemaError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
         raise StateEncodingError(f"tensor dtype {dtype} is not supported by GEMINI capture")
     return name
 
@@ -150,51 +156,65 @@ def _local_tensor(value: torch.Tensor) -> Tuple[torch.Tensor, Optional[dict]]:
 
 
 def encode_state(state: Any) -> EncodedState:
+    """Split `state` into its JSON structure and tensor leaves. Runs on the training thread at
+    every capture, so the common leaves (tensors, str/int keys) take the shortest path and the
+    path of a value is only spelled out when it is rejected."""
     tensors: List[torch.Tensor] = []
+    keys: List[Any] = []
 
-    def enc(value: Any, path: str) -> Any:
-        numpy_node = _encode_numpy(value, path)
-        if numpy_node is not None:  # before float: numpy.float64 subclasses float
-            return numpy_node
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if _is_int(value):
-            return value
-        if isinstance(value, float):
-            if math.isfinite(value):
-                return value
-            return {"t": "float", "v": repr(value)}
-        if isinstance(value, torch.Tensor):
+    def where() -> str:
+        return "state" + "".join(f"[{k!r}]" for k in keys)
+
+    def enc(value: Any) -> Any:
+        kind = type(value)
+        if kind is torch.Tensor or isinstance(value, torch.Tensor):
             if value.layout != torch.strided:
-                raise StateEncodingError(f"{path}: only dense tensors can be captured (got {value.layout})")
+                raise StateEncodingError(f"{where()}: only dense tensors can be captured (got {value.layout})")
             local, dt = _local_tensor(value)
-            _checked_dtype(local.dtype, path)
+            if local.dtype not in _DTYPE_NAMES:
+                _checked_dtype(local.dtype, where())
             tensors.append(local.detach())
             node = {"t": "tensor", "i": len(tensors) - 1}
             if dt is not None:
                 node["dtensor"] = dt
             return node
-        if isinstance(value, dict):
+        if kind in _PLAIN_SCALARS or value is None:
+            return value
+        if kind is dict or isinstance(value, dict):
             items = []
             for key, item in value.items():
-                if not (key is None or isinstance(key, (str, bool, float)) or _is_int(key)):
-                    raise StateEncodingError(f"{path}: dict key {key!r} of type {type(key).__name__} "
+                if type(key) not in _PLAIN_KEYS and not (key is None or isinstance(key, (str, bool, float))
+                                                          or _is_int(key)):
+                    raise StateEncodingError(f"{where()}: dict key {key!r} of type {type(key).__name__} "
                                              "is not supported (use str or int keys)")
-                items.append([enc(key, f"{path}.<key>"), enc(item, f"{path}[{key!r}]")])
+                keys.append(key)
+                items.append([key if type(key) in _PLAIN_KEYS else enc(key), enc(item)])
+                keys.pop()
             return {"t": "dict", "items": items}
-        if isinstance(value, (list, tuple)):
-            tag = "list" if isinstance(value, list) else "tuple"
-            return {"t": tag, "items": [enc(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+            encoded = []
+            for index, item in enumerate(value):
+                keys.append(index)
+                encoded.append(enc(item))
+                keys.pop()
+            return {"t": "list" if isinstance(value, list) else "tuple", "items": encoded}
+        numpy_node = _encode_numpy(value, where)
+        if numpy_node is not None:  # before float: numpy.float64 subclasses float
+            return numpy_node
+        if isinstance(value, (bool, str)) or _is_int(value):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
         if isinstance(value, torch.dtype):
-            return {"t": "dtype", "v": _checked_dtype(value, path)}
+            return {"t": "dtype", "v": _checked_dtype(value, where())}
         if isinstance(value, torch.device):
             return {"t": "device", "v": str(value)}
         raise StateEncodingError(
-            f"{path}: value of type {type(value).__module__}.{type(value).__qualname__} cannot be captured "
+            f"{where()}: value of type {type(value).__module__}.{type(value).__qualname__} cannot be captured "
             "without pickle. Convert it to plain Python/NumPy/tensor values in your state_dict or "
             "extra_state_fn.")
 
-    return EncodedState(enc(state, "state"), tensors)
+    return EncodedState(enc(state), tensors)
 
 
 def _checked_dtype(dtype: torch.dtype, path: str) -> str:
@@ -204,18 +224,17 @@ def _checked_dtype(dtype: torch.dtype, path: str) -> str:
         raise StateEncodingError(f"{path}: {exc}") from None
 
 
-def _encode_numpy(value: Any, path: str) -> Optional[dict]:
-    try:
-        import numpy as np
-    except ImportError:
+def _encode_numpy(value: Any, where: Callable[[], str]) -> Optional[dict]:
+    np = sys.modules.get("numpy")
+    if np is None:  # values of NumPy types cannot exist without NumPy imported
         return None
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise StateEncodingError(f"{path}: NumPy object arrays cannot be captured without pickle")
+            raise StateEncodingError(f"{where()}: NumPy object arrays cannot be captured without pickle")
         data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode("ascii")
         return {"t": "ndarray", "dtype": value.dtype.str, "shape": list(value.shape), "b64": data}
     if isinstance(value, np.generic):
-        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value), path)}
+        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value), where)}
     return None
 
 

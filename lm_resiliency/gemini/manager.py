@@ -69,6 +69,8 @@ class InMemoryCheckpointManager:
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
         self._send_error: Optional[BaseException] = None
+        self._layout_key: Optional[tuple] = None
+        self._layout: Optional[Layout] = None
         # Steps whose shards pruning must keep (set by the session from the trust ledger).
         self.protected_steps: Callable[[], Iterable[int]] = tuple
         self._previous_excepthook = sys.excepthook
@@ -175,11 +177,19 @@ class InMemoryCheckpointManager:
             raise ValueError(f"save(step=...): step must be a non-negative int, got {step!r}")
         self.maybe_wait()
         encoded = encode_state(state_dict)
-        layout = Layout.for_tensors(encoded.tensors)
+        layout = self._layout_for(encoded.tensors)
         target = self._own.begin_write(layout)
-        pending = launch_copy(layout.views(target.buffer), encoded.tensors)
+        pending = launch_copy(target.views(), encoded.tensors)
         self._capture_done.clear()
         self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure))
+
+    def _layout_for(self, tensors: list) -> Layout:
+        """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
+        case), so slots can keep their typed views."""
+        key = tuple((t.dtype, t.shape) for t in tensors)
+        if key != self._layout_key:
+            self._layout_key, self._layout = key, Layout.for_tensors(tensors)
+        return self._layout
 
     def maybe_wait(self) -> None:
         """Block until the prior capture is complete and its replication launched."""

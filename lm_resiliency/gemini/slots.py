@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, List, Optional, Protocol
 
 import torch
 
@@ -56,10 +56,21 @@ class HostSlot:
     # The buffer's pages are also mapped copy-on-write into state handed to the caller: the
     # next write must go to a fresh buffer, never into these pages.
     lent: bool = False
+    # Typed views of `buffer` for `layout`, reused while both stay the same (thousands of
+    # tensors make rebuilding them a visible cost on the training thread).
+    _views: Optional[tuple] = field(default=None, repr=False)
 
     def payload(self) -> torch.Tensor:
         assert self.buffer is not None and self.layout is not None
         return self.buffer[: self.layout.total_bytes]
+
+    def views(self) -> List[torch.Tensor]:
+        assert self.buffer is not None and self.layout is not None
+        cached = self._views
+        if cached is None or cached[0] is not self.buffer or cached[1] is not self.layout:
+            cached = (self.buffer, self.layout, self.layout.views(self.buffer))
+            self._views = cached
+        return cached[2]
 
 
 class SlotPair:
