@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 _SESSIONS = itertools.count()
 
 
+def _has_dtensor_parameters(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+               for p in model.parameters())
+
+
 class ScoutHarness:
     """Collective to construct (creates gloo subgroups in the same order on every rank)."""
 
@@ -59,7 +64,7 @@ class ScoutHarness:
                 self._groups.append(created)
                 if self.rank in ranks:
                     replay_group, group_ranks = created, list(ranks)
-        if sharded:
+        if sharded or _has_dtensor_parameters(model):
             logger.warning("SCOUT: replay of FSDP2/HSDP-sharded modules is not supported yet; SDC replay checks, "
                            "replay-timed stragglers, collective probes and checkpoint certification are off for "
                            "this model (the out-of-band hang/stall monitor stays on)")
