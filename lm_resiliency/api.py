@@ -24,7 +24,6 @@ class FrameworkName(str, enum.Enum):
 _NOT_YET = {
     FrameworkName.TORCHTITAN: "a TorchTitan Trainer",
     FrameworkName.MEGATRON: "Megatron Core model chunks",
-    FrameworkName.DEEPSPEED: "a DeepSpeed engine",
 }
 
 
@@ -74,6 +73,16 @@ def enable_resiliency(
     objects exist and before the training loop. The newest recoverable state is loaded before
     this returns; `session.step_count` is the resume point."""
     selected = FrameworkName(framework) if framework is not None else infer_framework(model_or_trainer_or_engine)
+    if selected is FrameworkName.DEEPSPEED:
+        # An optional "lm_resiliency" section of the engine's DeepSpeed config fills arguments left at defaults.
+        from lm_resiliency.adapters.deepspeed import apply_config_section
+
+        section = apply_config_section(model_or_trainer_or_engine, dict(
+            interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
+            enable_detection=enable_detection, recovery_mode=recovery_mode))
+        interval, checkpoint, replay = section["interval"], section["checkpoint"], section["replay"]
+        enable_checkpoint, enable_detection = section["enable_checkpoint"], section["enable_detection"]
+        recovery_mode = section["recovery_mode"]
     if interval is not None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"enable_resiliency(interval=...): must be a positive int, got {interval!r}")
@@ -95,6 +104,8 @@ def enable_resiliency(
         load_fallback=load_fallback, recovery_mode=mode, orchestration=orchestration,
         fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
         durable_checkpoint=durable_checkpoint)
+    if selected is FrameworkName.DEEPSPEED:
+        adapter.bind_session(session)  # step_count follows engine.global_steps; load_checkpoint guard
     try:
         session.recover()
     except BaseException:
@@ -108,6 +119,10 @@ def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, config: I
     if framework in _NOT_YET:
         raise TypeError(f"enable_resiliency: {_NOT_YET[framework]} was given, but the {framework.value} "
                         "adapter is not available in this release; use the PyTorch objects it wraps")
+    if framework is FrameworkName.DEEPSPEED:
+        from lm_resiliency.callbacks.deepspeed import build_adapter
+
+        return build_adapter(obj, optimizer, options)
     from lm_resiliency.adapters.pytorch import SUPPORTED_OPTIONS, PyTorchAdapter
 
     unsupported = sorted(set(options) - SUPPORTED_OPTIONS)
