@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.gemini.codec import Layout, decode_state, encode_state
+from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
 from lm_resiliency.gemini.replication import Pairing, PeerReplicator, resolve_jump

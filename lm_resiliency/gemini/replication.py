@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency.config import ConfigError
-from lm_resiliency.gemini.codec import Layout
+from lm_resiliency.codec import Layout
 from lm_resiliency.gemini.slots import HostSlot
 
 logger = logging.getLogger(__name__)

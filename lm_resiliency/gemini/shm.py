@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from lm_resiliency.files import loads_strict_json
-from lm_resiliency.gemini.codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.storage import run_namespace, temp_scope
 
 logger = logging.getLogger(__name__)

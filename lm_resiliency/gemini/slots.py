@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Optional, Protocol
 
 import torch
 
-from lm_resiliency.gemini.codec import Layout
+from lm_resiliency.codec import Layout
 
 Allocator = Callable[[str, int], torch.Tensor]
 

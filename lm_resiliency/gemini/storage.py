@@ -50,7 +50,7 @@ import torch
 
 from lm_resiliency.files import fsync_dir, loads_strict_json
 
-from .codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError
 
 logger = logging.getLogger(__name__)
 

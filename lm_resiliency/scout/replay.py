@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
-from lm_resiliency.gemini.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.peers import CLEAN, vote
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult

@@ -11,7 +11,7 @@ import torch
 from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.gemini import device
-from lm_resiliency.gemini.codec import encode_state
+from lm_resiliency.codec import encode_state
 from tests.distributed.gemini_workloads import assert_same, full_state, make_model, train
 from tests.harness import run_ranks
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lm_resiliency.gemini.codec import (
+from lm_resiliency.codec import (
     ALIGNMENT, Layout, StateEncodingError, StateSchemaError, decode_state, encode_state,
 )
 

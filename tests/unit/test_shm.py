@@ -15,7 +15,7 @@ from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.config import ConfigError
 from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.gemini import shm
-from lm_resiliency.gemini.codec import Layout, decode_state, encode_state
+from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.shm import SharedMemoryUnavailable, SharedSlotArena, shared_namespace
 from lm_resiliency.gemini.slots import SlotPair
 from lm_resiliency.gemini.storage import temp_scope

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from lm_resiliency.gemini.codec import Layout
+from lm_resiliency.codec import Layout
 from lm_resiliency.gemini.slots import SlotPair
 
 

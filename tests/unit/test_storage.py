@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from lm_resiliency.gemini.codec import Layout, decode_state, encode_state
+from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.storage import (
     FORMAT_VERSION, NodeLocalStore, ShardKey, ShardRejected, StatusRejected, run_namespace,
     temp_scope,
@@ -426,7 +426,7 @@ _CHILD = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from lm_resiliency.gemini.codec import Layout
+from lm_resiliency.codec import Layout
 from lm_resiliency.gemini.storage import NodeLocalStore, ShardKey
 
 store = NodeLocalStore(sys.argv[2], sys.argv[3], sys.argv[4], 0, verify_integrity=True)
