@@ -149,6 +149,7 @@ class Job:
             self.say(f"{self.label} gen {index} | relaunching {scenario.WORLD} ranks with the same run id {run_id}")
         procs = self._launch(index)
         death_at: Optional[float] = None
+        first_failure_at: Optional[float] = None
         killed = False
         while True:
             self._poll(gen)
@@ -166,19 +167,18 @@ class Job:
                     _terminate(procs)
                     killed = True
                     continue
-                dead = [r for r, c in enumerate(codes) if c is not None and c < 0]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0, RESTART_EXIT_CODE)]
-                if dead:
-                    gen.end, gen.detected_at, death_at = "rank_died", now, now
-                    names = ", ".join(f"rank {r} ({_signal_name(codes[r])})" for r in dead)
-                    gen.detail = f"{names} died"
-                    self.deaths.append({"gen": index, "ranks": dead, "detected_at": now,
-                                        "signals": [_signal_name(codes[r]) for r in dead]})
-                    self.say(f"{self.label} gen {index} | supervisor: {names} died; waiting "
+                if self._record_death(gen, index, codes, now):
+                    death_at = now
+                    self.say(f"{self.label} gen {index} | supervisor: {gen.detail}; waiting "
                              f"{DEATH_GRACE_S:.0f}s for the others to fail and flush")
                 elif failed:
-                    gen.end, death_at = "error", now
-                    gen.detail = "rank(s) " + ", ".join(f"{r} exited {codes[r]}" for r in failed)
+                    # A peer of a killed rank often fails (connection closed) before the killed
+                    # rank is reaped: wait a grace period for the death before calling it an error.
+                    first_failure_at = first_failure_at or now
+                    if now - first_failure_at > DEATH_GRACE_S:
+                        gen.end, death_at = "error", now
+                        gen.detail = "rank(s) " + ", ".join(f"{r} exited {codes[r]}" for r in failed)
             if death_at is not None and not killed and now - death_at > DEATH_GRACE_S:
                 _terminate(procs, grace_s=0.0)
                 killed = True
@@ -190,7 +190,7 @@ class Job:
         self._poll(gen)
         gen.ended_at = time.time()
         gen.exit_codes = [r.returncode for r in procs]
-        if not gen.end:
+        if not gen.end and not self._record_death(gen, index, gen.exit_codes, gen.ended_at):
             if all(c == 0 for c in gen.exit_codes):
                 gen.end = "finished"
             elif all(c == RESTART_EXIT_CODE for c in gen.exit_codes):
@@ -204,6 +204,18 @@ class Job:
         elif gen.end in ("rank_died", "hang", "sdc_stop"):
             self.say(f"{self.label} gen {index} | ended after step {gen.last_step} ({gen.end})")
         return gen
+
+    def _record_death(self, gen: "Generation", index: int, codes: list, now: float) -> bool:
+        """Mark the generation as ended by a rank killed with a signal, if any was."""
+        dead = [r for r, c in enumerate(codes) if c is not None and c < 0]
+        if not dead:
+            return False
+        gen.end, gen.detected_at = "rank_died", now
+        names = ", ".join(f"rank {r} ({_signal_name(codes[r])})" for r in dead)
+        gen.detail = f"{names} died"
+        self.deaths.append({"gen": index, "ranks": dead, "detected_at": now,
+                            "signals": [_signal_name(codes[r]) for r in dead]})
+        return True
 
     # ------------------------------------------------------------------ watching
 
