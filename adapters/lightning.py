@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
-from lm_resiliency.adapters.pytorch import _dtensor_type, _is_dtensor
+from lm_resiliency.adapters.pytorch import load_model_in_place, rewrap_optimizer_state
 from lm_resiliency.session import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -190,8 +190,8 @@ class LightningAdapter(FrameworkAdapter):
         return {"lightning": state}
 
     def load_framework_state(self, state: Dict[str, Any]) -> None:
-        self._load_model(state["model"])
-        self.optimizer.load_state_dict(self._rewrap_optimizer_state(state["optimizer"]))
+        load_model_in_place(self.module, state["model"])
+        self.optimizer.load_state_dict(rewrap_optimizer_state(self.optimizer, state["optimizer"]))
         self._rng_before_batch = state["rng_before_batch"]
         self._recovered_model = state["model"]
         self._recovered_optimizer = state["optimizer"]
@@ -218,42 +218,6 @@ class LightningAdapter(FrameworkAdapter):
         self.restored_step = saved["global_step"]
         self._skip_batches = int(saved["batches_consumed"])
         del self._recovered_model, self._recovered_optimizer
-
-    def _load_model(self, saved: Dict[str, torch.Tensor]) -> None:
-        live = self.module.state_dict()
-        if set(saved) != set(live):
-            missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
-            raise ValueError(f"recovered model state does not match the LightningModule: missing {missing[:8]}, "
-                             f"unexpected {unexpected[:8]}")
-        with torch.no_grad():
-            for name, target in live.items():
-                local = target.to_local() if _is_dtensor(target) else target
-                value = saved[name]
-                if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
-                    raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live "
-                                     f"model has {tuple(local.shape)} {local.dtype} on this rank")
-                local.copy_(value)
-
-    def _rewrap_optimizer_state(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """DTensor optimizer state was stored as local shards: rebuild DTensors on the live
-        parameter's mesh and placements."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not any(_is_dtensor(p) for p in params):
-            return saved
-        DTensor = _dtensor_type()
-        state = {}
-        for index, per_param in saved["state"].items():
-            param = params[int(index)]
-            rebuilt = {}
-            for key, value in per_param.items():
-                if _is_dtensor(param) and isinstance(value, torch.Tensor) and value.dim() > 0 and \
-                        tuple(value.shape) == tuple(param.to_local().shape):
-                    value = DTensor.from_local(value.to(param.to_local().device), param.device_mesh,
-                                               param.placements, run_check=False, shape=param.shape,
-                                               stride=param.stride())
-                rebuilt[key] = value
-            state[index] = rebuilt
-        return {"state": state, "param_groups": saved["param_groups"]}
 
     # --------------------------------------------------------- Lightning side
 

@@ -61,6 +61,46 @@ def check_optimizer_owns_model(model: nn.Module, optimizer: torch.optim.Optimize
                          "optimizer per model.")
 
 
+def load_model_in_place(module: nn.Module, saved: Dict[str, torch.Tensor]) -> None:
+    """Copy recovered tensors into the live model (DTensors: into their local shards), after
+    checking that keys, shapes and dtypes match exactly."""
+    live = module.state_dict()
+    if set(saved) != set(live):
+        missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        raise ValueError(f"recovered model state does not match the model: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name, target in live.items():
+            local = target.to_local() if _is_dtensor(target) else target
+            value = saved[name]
+            if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
+                raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live "
+                                 f"model has {tuple(local.shape)} {local.dtype} on this rank")
+            local.copy_(value)
+
+
+def rewrap_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> Dict[str, Any]:
+    """Optimizer state of DTensor parameters was stored as local shards: rebuild DTensors on the
+    live parameter's mesh and placements so the optimizer sees what it saved."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(_is_dtensor(p) for p in params):
+        return saved
+    DTensor = _dtensor_type()
+    state = {}
+    for index, per_param in saved["state"].items():
+        param = params[int(index)]
+        rebuilt = {}
+        for key, value in per_param.items():
+            if _is_dtensor(param) and isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                    tuple(value.shape) == tuple(param.to_local().shape):
+                value = DTensor.from_local(value.to(param.to_local().device), param.device_mesh,
+                                           param.placements, run_check=False, shape=param.shape,
+                                           stride=param.stride())
+            rebuilt[key] = value
+        state[index] = rebuilt
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
 class PyTorchAdapter(FrameworkAdapter):
     framework = "pytorch"
 
@@ -145,50 +185,14 @@ class PyTorchAdapter(FrameworkAdapter):
         return {"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}
 
     def load_framework_state(self, state: Dict[str, Any]) -> None:
-        self._load_model(state["model"])
-        self.optimizer.load_state_dict(self._rewrap_optimizer_state(state["optimizer"]))
+        load_model_in_place(self.module, state["model"])
+        self.optimizer.load_state_dict(rewrap_optimizer_state(self.optimizer, state["optimizer"]))
 
     def load_deferred_state(self, state: Dict[str, Any]) -> None:
         if self.scheduler is not None:
             if "scheduler" not in state:
                 raise ValueError("the recovered checkpoint has no scheduler state, but scheduler= was given")
             self.scheduler.load_state_dict(state["scheduler"])
-
-    def _load_model(self, saved: Dict[str, torch.Tensor]) -> None:
-        live = self.module.state_dict()
-        if set(saved) != set(live):
-            missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
-            raise ValueError(f"recovered model state does not match the model: missing {missing[:8]}, "
-                             f"unexpected {unexpected[:8]}")
-        with torch.no_grad():
-            for name, target in live.items():
-                local = target.to_local() if _is_dtensor(target) else target
-                value = saved[name]
-                if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
-                    raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live "
-                                     f"model has {tuple(local.shape)} {local.dtype} on this rank")
-                local.copy_(value)
-
-    def _rewrap_optimizer_state(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """Optimizer state of DTensor parameters was stored as local shards: rebuild DTensors on the
-        live parameter's mesh and placements so the optimizer sees what it saved."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not any(_is_dtensor(p) for p in params):
-            return saved
-        DTensor = _dtensor_type()
-        state = {}
-        for index, per_param in saved["state"].items():
-            param = params[index]
-            rebuilt = {}
-            for key, value in per_param.items():
-                if _is_dtensor(param) and isinstance(value, torch.Tensor) and \
-                        tuple(value.shape) == tuple(param.to_local().shape) and value.dim() > 0:
-                    value = DTensor.from_local(value.to(param.to_local().device), param.device_mesh,
-                                               param.placements, run_check=False, shape=param.shape,
-                                               stride=param.stride())
-                rebuilt[key] = value
-            state[index] = rebuilt
-        return {"state": state, "param_groups": saved["param_groups"]}
 
     # ------------------------------------------------------------------ hooks
 
