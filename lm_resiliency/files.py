@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
+import tempfile
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -40,3 +42,20 @@ def fsync_dir(directory: str) -> None:
         logger.debug("directory fsync not supported on %s (%s)", directory, exc)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Make `data` visible at `path` only complete: temp file, fsync, rename, fsync the dir."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_dir(directory)

@@ -6,11 +6,8 @@ import contextlib
 import errno
 import fcntl
 import os
-import tempfile
 import time
 from typing import Iterator
-
-from lm_resiliency.files import fsync_dir
 
 _POLL_S = 0.005
 
@@ -39,20 +36,3 @@ def locked(lock_path: str, *, exclusive: bool = True, timeout_s: float = 30.0) -
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Make `data` visible at `path` only complete: temp file, fsync, rename, fsync the dir."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    fsync_dir(directory)

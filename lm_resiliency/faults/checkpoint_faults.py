@@ -15,7 +15,7 @@ import struct
 import zipfile
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._files import fsync_dir
+from lm_resiliency.files import fsync_dir
 
 _OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
 _PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")

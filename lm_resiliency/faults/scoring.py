@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence,
                     Tuple)
 
+from lm_resiliency.files import atomic_write
+
 from ._fields import (ObjectReader, build, check_non_negative_int, check_str, fail, freeze_json,
                       is_int, is_number, load_document, thaw_json)
-from ._files import atomic_write
 from .records import FaultInjectionRecord, InjectionStatus
 from .taxonomy import DEFAULT_KINDS, FailureType
 

@@ -15,8 +15,10 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional
 
+from lm_resiliency.files import atomic_write
+
 from ._fields import check_json_ready
-from ._files import atomic_write, locked
+from ._files import locked
 
 STATE_SCHEMA_VERSION = 1
 _CAS_ATTEMPTS = 1000

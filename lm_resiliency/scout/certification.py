@@ -63,7 +63,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 import torch.distributed as dist
 
 from lm_resiliency.config import ConfigError
-from lm_resiliency.files import fsync_dir, loads_strict_json
+from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
 from lm_resiliency.scout.reports import ReplayResult
 from lm_resiliency.wire import all_gather_json
 
@@ -344,32 +343,7 @@ class _ManifestStore:
 
     def _publish(self, name: str, doc: dict) -> None:
         data = json.dumps(doc, sort_keys=True, allow_nan=False, indent=1).encode("utf-8") + b"\n"
-        final = os.path.join(self.directory, name)
-        temp = os.path.join(self.directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
-        published = False
-        try:
-            fd = os.open(temp, flags, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                f = os.fdopen(fd, "wb")
-            except BaseException:
-                os.close(fd)
-                raise
-            with f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-            published = True
-            fsync_dir(self.directory)
-        finally:
-            if not published:
-                try:
-                    os.unlink(temp)
-                except OSError:
-                    pass
+        atomic_write(os.path.join(self.directory, name), data)
 
     def write(self, checkpoint_id: str, step: int, state: str, reason: str = "") -> dict:
         """Publish the manifest of `checkpoint_id`; a RECOVERY_VERIFIED one also becomes the
