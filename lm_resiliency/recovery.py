@@ -40,7 +40,13 @@ class FailureClass(str, enum.Enum):
 
 
 class SweepOutcome(str, enum.Enum):
-    """Result of the full-catalog replay a hang or uncertain failure triggers."""
+    """Result of the full-catalog replay sweep a hang or uncertain failure triggers
+    (`ResiliencySession.prepare_recovery`, lm_resiliency/scout/sweep.py).
+
+    CLEAN: every catalog module's output and parameters agreed bitwise on every peer.
+    SDC: some peer disagreed with a majority (or a peer pair disagreed).
+    INCOMPLETE: a peer did not answer in time, a replay raised, or no strict majority formed.
+    NOT_RUN: no evidence: SCOUT replay off, nothing recorded yet, or no peer to compare with."""
 
     CLEAN = "clean"
     SDC = "sdc"
@@ -73,7 +79,8 @@ RecoveryDecisionCallback = Callable[[RecoveryDecision], None]
 
 def select_mode(failure: "str | FailureClass", *, all_ranks_accessible: bool,
                 sweep: SweepOutcome = SweepOutcome.NOT_RUN) -> tuple:
-    """(RecoveryMode, reason) for a failure, following the table in this module's docstring."""
+    """(RecoveryMode, reason) for a failure, following the table in this module's docstring.
+    `sweep` only matters for hang and uncertain failures with every rank accessible."""
     failure = FailureClass.parse(failure)
     if failure is FailureClass.SDC:
         return RecoveryMode.RECOVERY_VERIFIED, "silent data corruption was detected"
@@ -86,6 +93,6 @@ def select_mode(failure: "str | FailureClass", *, all_ranks_accessible: bool,
     reasons = {
         SweepOutcome.SDC: "the full replay sweep detected SDC",
         SweepOutcome.INCOMPLETE: "the full replay sweep did not complete",
-        SweepOutcome.NOT_RUN: "no replay evidence is available (SCOUT disabled or sweep not run)",
+        SweepOutcome.NOT_RUN: "no replay evidence is available",
     }
     return RecoveryMode.RECOVERY_VERIFIED, f"{failure.value}: {reasons[sweep]}"

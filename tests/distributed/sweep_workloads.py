@@ -1,0 +1,75 @@
+"""Rank function for the full-catalog sweep tests (module-level so child ranks can import it).
+
+Every rank trains the same TinyLM replica under DDP with enable_resiliency (SCOUT checks and
+GEMINI captures every 2 steps), then a scenario prepares or corrupts this rank before the
+recovery calls. What each rank saw comes back as plain JSON-ready data.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
+from tests.distributed.scout_workloads import make_model, sign_flip
+
+DONE_KEY = "test/sweep/done"
+
+
+def _flip_one_weight_bit(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        module.weight.view(-1).view(torch.int32)[5] ^= 1 << 22  # a high mantissa bit of one weight
+
+
+def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
+    """Train `steps` steps, apply `scenario`, call prepare_recovery; returns what this rank saw.
+
+    scenario: "clean" (hang and uncertain), "sign_flip" (rank `fault_rank` negates one element of
+    layers.1's output from now on), "parameter" (one bit of layers.0.lin.weight flipped on
+    `fault_rank`), "absent" (`fault_rank` never calls prepare_recovery and leaves once the others
+    are done), "rank_local" (rank 0 alone decides a straggler and an inaccessible hang, then every
+    rank sweeps)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    events, faults = [], []
+    hooks = OrchestrationHooks(report_fault=lambda r: events.append(("fault", r.to_json())),
+                               report_recovery=lambda d: events.append(("recovery", d.to_json())))
+    session = enable_resiliency(
+        ddp, optimizer, interval=2, orchestration=hooks,
+        fault_callback=lambda result: faults.append(sorted({r for c in result.checks for r in c.faulty})),
+        checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="sweep", timeout_s=60),
+        replay=ReplayHarnessConfig(hang_stall_threshold_s=120, monitor_poll_interval_s=0.5,
+                                   full_sweep_timeout_s=timeout_s))
+    for step in range(steps):
+        tokens = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(1000 * rank + step))
+        ddp(tokens).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if scenario == "sign_flip" and rank == fault_rank:
+        model.layers[1].register_forward_hook(sign_flip, with_kwargs=True)
+    if scenario == "parameter" and rank == fault_rank:
+        _flip_one_weight_bit(model.layers[0].lin)
+    decisions = []
+    store = dist.distributed_c10d._get_default_store()
+    if scenario == "absent" and rank == fault_rank:
+        while store.add(DONE_KEY, 0) < world - 1:  # blocked elsewhere until every other rank has decided
+            time.sleep(0.1)
+    else:
+        if scenario == "rank_local" and rank == 0:
+            decisions.append(session.prepare_recovery("straggler").to_json())
+            decisions.append(session.prepare_recovery("hang", all_ranks_accessible=False).to_json())
+        decisions.append(session.prepare_recovery("hang").to_json())
+        if scenario in ("clean", "rank_local"):
+            decisions.append(session.prepare_recovery("uncertain").to_json())
+        store.add(DONE_KEY, 1)
+    persisted = (session.manager.store.read_status() or {}).get("trust", {})   # none before a boundary
+    seen = {"decisions": decisions, "events": events, "faults": faults,
+            "latched": session.ledger.requires_verified_recovery,
+            "persisted_latch": persisted.get("sdc_pending", False)}
+    session.close()
+    return seen
