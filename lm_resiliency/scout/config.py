@@ -8,6 +8,11 @@ from typing import Any, Optional
 
 from lm_resiliency.config import ConfigError
 
+# The probe is a third of a check's cost and a slow link is a throughput problem, not a
+# correctness one: by default it runs at every 5th check, which keeps its amortized cost a fifth
+# of what it was while confirming a slow endpoint within 2 x 5 checks (confirmation rounds x 5).
+PROBE_EVERY_CHECKS = 5
+
 
 def _positive_int_or_none(value: Any) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
@@ -23,6 +28,8 @@ class ReplayHarnessConfig:
 
     `check_interval` is the base cadence in optimizer steps; each `*_check_interval` left at
     None inherits it. The top-level `enable_resiliency(interval=...)` overrides the base.
+    `communication_probe_interval` is the cadence of the collective straggler probe, which runs
+    at a check step that is a multiple of it; None means PROBE_EVERY_CHECKS x `check_interval`.
     """
 
     check_interval: int = 10
@@ -35,6 +42,7 @@ class ReplayHarnessConfig:
     straggler_confirmation_rounds: int = 2
     straggler_min_ratio: float = 1.5
     straggler_min_margin_s: float = 0.005
+    communication_probe_interval: Optional[int] = None
     hang_stall_threshold_s: float = 300.0
     dataloader_stall_threshold_s: float = 120.0
     checkpoint_io_stall_threshold_s: float = 600.0
@@ -52,7 +60,7 @@ class ReplayHarnessConfig:
         require(_positive_int_or_none(self.check_interval) and self.check_interval is not None,
                 "check_interval", "must be a positive integer number of optimizer steps")
         for field in ("embedding_check_interval", "hidden_check_interval", "output_check_interval",
-                      "optimizer_check_interval"):
+                      "optimizer_check_interval", "communication_probe_interval"):
             require(_positive_int_or_none(getattr(self, field)), field, "must be None or a positive integer")
         for field in ("rotate_layers", "capture_inputs_by_value"):
             require(isinstance(getattr(self, field), bool), field, "must be True or False")
@@ -74,3 +82,10 @@ class ReplayHarnessConfig:
         """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer'."""
         specific = getattr(self, f"{check}_check_interval")
         return specific if specific is not None else self.check_interval
+
+    @property
+    def probe_interval(self) -> int:
+        """The collective probe's cadence in optimizer steps (see `communication_probe_interval`)."""
+        if self.communication_probe_interval is not None:
+            return self.communication_probe_interval
+        return PROBE_EVERY_CHECKS * self.check_interval

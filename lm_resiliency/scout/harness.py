@@ -3,7 +3,8 @@
 Per optimizer step k:
   before the forward of k   `before_forward(k)`        arm replay capture if a check is due
   after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
-                                                       collective probe -> ReplayResult
+                                                       collective probe (every `probe_interval`
+                                                       steps) -> ReplayResult
   after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor
 The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
 the training thread is stuck in a collective.
@@ -110,7 +111,7 @@ class ScoutHarness:
                         and c.timings_s), None)
         if timings and len(timings) >= 3:
             findings += self.compute.observe(timings)
-        if self._probe is not None:
+        if self._probe is not None and step % self.config.probe_interval == 0:
             with self.beacon.track("scout_probe", step):
                 findings += self.communication.observe(self._probe.measure())
         return ReplayResult(step, result.checks, tuple(findings))

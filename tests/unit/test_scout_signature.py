@@ -8,10 +8,48 @@ from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.peers import dense_peer_groups, group_of, peer_groups_from_mesh, vote
 from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector
 from lm_resiliency.scout.reports import replay_fault_reports
+from lm_resiliency.scout import signature
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
 from tests.distributed.scout_workloads import TinyLM, make_model
+from tests.harness import run_ranks
 
 # -- signatures ---------------------------------------------------------------------------------
+
+_MASK = (1 << 64) - 1
+
+
+def _fmix(x):
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _MASK
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _MASK
+    return x ^ (x >> 33)
+
+
+def _reference_signature(t):
+    """The construction in signature.py's docstring, in plain Python integers."""
+    import hashlib
+
+    n = signature.BLOCK_WORDS
+    pos = range(n)
+    mult = [_fmix((j * 0xD6E8FEB86659FD93 + 0x2545F4914F6CDD1D) & _MASK) | 1 for j in pos]
+    offs = [_fmix((j * 0xA0761D6478BD642F + 0xE7037ED1A0B428DB) & _MASK) for j in pos]
+    raw = bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += bytes(-len(raw) % 8)
+    data = 0
+    for i in range(len(raw) // 8):
+        word = int.from_bytes(raw[8 * i:8 * i + 8], "little")
+        b, j = divmod(i, n)
+        data += _fmix((word * mult[j] + offs[j] + b * 0x9E3779B97F4A7C15) & _MASK)
+    header = f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode("ascii")
+    key = int.from_bytes(hashlib.blake2b(header, digest_size=8).digest(), "little")
+    return f"{_fmix((data & _MASK) ^ key):016x}"
+
+
+def _flip(t, byte, bit):
+    raw = t.reshape(-1).view(torch.uint8).clone()
+    raw[byte] ^= 1 << bit
+    return raw.view(t.dtype).view(t.shape)
 
 
 def test_signature_is_16_hex_chars_and_equal_for_equal_tensors():
@@ -23,21 +61,89 @@ def test_signature_is_16_hex_chars_and_equal_for_equal_tensors():
     assert tensor_signature(a.requires_grad_()) == sig
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
-                                   torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn])
+def test_signature_follows_the_documented_construction():
+    # A known answer pins the function (every rank and release must agree), and the reference
+    # implementation checks the documented formula, across a block boundary and a padded tail.
+    assert tensor_signature(torch.arange(10, dtype=torch.int64)) == "e14a68020d573b88"
+    gen = torch.Generator().manual_seed(1)
+    for t in (torch.randint(-2**31, 2**31, (signature.BLOCK_WORDS * 2 + 3,), dtype=torch.int32, generator=gen),
+              torch.tensor(7, dtype=torch.uint8), torch.randn(3, 3, dtype=torch.float16, generator=gen)):
+        assert tensor_signature(t) == _reference_signature(t)
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int32, torch.int64,
+          torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_every_single_bit_flip_changes_the_signature(dtype):
     t = (torch.randn(3, 5) * 4).to(dtype)
     base = tensor_signature(t)
-    raw = t.reshape(-1).view(torch.uint8)
+    nbytes = t.numel() * t.element_size()
     seen = {base}
-    for byte in range(raw.numel()):
+    for byte in range(nbytes):
         for bit in range(8):
-            flipped = raw.clone()
-            flipped[byte] ^= 1 << bit
-            sig = tensor_signature(flipped.view(dtype).view(t.shape))
+            sig = tensor_signature(_flip(t, byte, bit))
             assert sig != base, (dtype, byte, bit)
             seen.add(sig)
-    assert len(seen) == raw.numel() * 8 + 1  # and no two flips collide
+    assert len(seen) == nbytes * 8 + 1  # and no two flips collide
+
+
+@pytest.mark.parametrize("shape,dtype", [((3,), torch.uint8), ((5,), torch.float16), ((7,), torch.bool),
+                                         ((3, 3), torch.bfloat16), ((), torch.float32), ((1, 1, 1), torch.int8)])
+def test_odd_byte_lengths_and_0d_tensors_detect_every_bit_flip(shape, dtype):
+    t = (torch.randn(shape) * 4).to(dtype)
+    base = tensor_signature(t)
+    flips = {tensor_signature(_flip(t, byte, bit)) for byte in range(t.numel() * t.element_size())
+             for bit in range(8)}
+    assert base not in flips and len(flips) == t.numel() * t.element_size() * 8
+
+
+def test_random_bit_flips_in_a_large_tensor_spanning_chunks():
+    # 2.5 CPU chunks plus a 12-byte tail: flips land in every chunk, at chunk edges, in the padded word.
+    t = torch.randn(signature.CPU_CHUNK_WORDS * 5 + 3, generator=torch.Generator().manual_seed(2))
+    base = tensor_signature(t)
+    nbytes = t.numel() * 4
+    gen = torch.Generator().manual_seed(3)
+    flips = {(int(byte), int(bit)) for byte, bit in zip(torch.randint(0, nbytes, (60,), generator=gen),
+                                                         torch.randint(0, 8, (60,), generator=gen))}
+    flips |= {(0, 0), (nbytes - 1, 7), (signature.CPU_CHUNK_WORDS * 8, 0), (signature.CPU_CHUNK_WORDS * 8 - 1, 7)}
+    seen = {base}
+    for byte, bit in flips:
+        sig = tensor_signature(_flip(t, byte, bit))
+        assert sig != base, (byte, bit)
+        seen.add(sig)
+    assert len(seen) == len(flips) + 1
+
+
+def test_two_sign_flips_that_cancel_in_a_linear_hash_change_it():
+    # Flipping the top bit of two 64-bit words adds 2**63 * odd twice (0 mod 2**64) to a purely
+    # linear word hash; the per-word mix makes every such pair visible.
+    t = torch.randn(64, dtype=torch.float64)
+    base = tensor_signature(t)
+    seen = set()
+    for i in range(0, 64, 3):
+        for j in range(i + 1, 64, 5):
+            u = t.clone()
+            u[i], u[j] = -u[i], -u[j]
+            seen.add(tensor_signature(u))
+    assert base not in seen and len(seen) == sum(len(range(i + 1, 64, 5)) for i in range(0, 64, 3))
+
+
+def test_reordered_elements_change_it():
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        t = (torch.randn(4, 33, generator=gen) * 50).to(dtype)
+        base = tensor_signature(t)
+        flat = t.reshape(-1)
+        perms = [torch.randperm(flat.numel(), generator=gen) for _ in range(20)]
+        sigs = {tensor_signature(flat[p].reshape(t.shape)) for p in perms}
+        assert base not in sigs and len(sigs) == 20
+        assert tensor_signature(t.flip(0)) != base and tensor_signature(t.roll(1, 1)) != base
+        a, b = (0, 1) if flat[0] != flat[1] else (0, int((flat != flat[0]).nonzero()[0]))
+        swapped = flat.clone()
+        swapped[a], swapped[b] = flat[b], flat[a]  # two elements inside one 8-byte word
+        assert tensor_signature(swapped.reshape(t.shape)) != base
 
 
 def test_lowest_mantissa_bit_via_int32_view_changes_it():
@@ -54,16 +160,45 @@ def test_dtype_and_shape_are_part_of_the_signature():
     assert tensor_signature(t) != tensor_signature(t.reshape(6, 4))
     assert tensor_signature(t) != tensor_signature(t.reshape(24))
     assert tensor_signature(t) != tensor_signature(t.view(torch.int32))  # same bytes, other dtype
+    assert tensor_signature(t) != tensor_signature(t.view(torch.uint8))
     assert tensor_signature(torch.zeros(2, dtype=torch.int16)) != tensor_signature(torch.zeros(1, dtype=torch.int32))
     assert tensor_signature(torch.zeros(0)) != tensor_signature(torch.zeros(0, 3))
+    assert tensor_signature(torch.zeros(0)) != tensor_signature(torch.zeros(0, dtype=torch.int8))
+    assert tensor_signature(torch.tensor(0.0)) != tensor_signature(torch.zeros(1))
+    r = torch.randn(8)
+    assert tensor_signature(r.to(torch.bfloat16)) != tensor_signature(r.to(torch.float16))
 
 
 def test_views_and_non_contiguous_tensors_sign_their_values():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     assert tensor_signature(base[:, 1]) == tensor_signature(base[:, 1].contiguous())
     assert tensor_signature(base[1:3]) == tensor_signature(torch.arange(6, 18, dtype=torch.float32).reshape(2, 6))
+    assert tensor_signature(base[:, 1:]) == tensor_signature(base[:, 1:].contiguous())
     assert tensor_signature(torch.tensor(3.0)) == tensor_signature(torch.tensor(3.0))
     assert tensor_signature(torch.tensor(3.0)) != tensor_signature(torch.tensor([3.0]))
+    assert tensor_signature(torch.ones(3, 1).expand(3, 5)) == tensor_signature(torch.ones(3, 5))
+    c = torch.randn(4, dtype=torch.complex64)
+    assert tensor_signature(c.conj()) == tensor_signature(c.conj().resolve_conj()) != tensor_signature(c)
+
+
+def test_large_non_contiguous_tensors_are_copied_in_bounded_pieces():
+    gen = torch.Generator().manual_seed(5)
+    tall = torch.randn(signature.CPU_CHUNK_WORDS, 3, generator=gen)
+    wide = tall.t()                  # rows of 512 KiB, each a strided view: signed row by row
+    assert not wide.is_contiguous()
+    assert tensor_signature(wide) == tensor_signature(wide.contiguous())
+    odd = torch.randn(1001, 7, generator=gen, dtype=torch.float64).to(torch.float16)[:, ::2]
+    assert tensor_signature(odd) == tensor_signature(odd.contiguous())  # 6-byte rows straddle words
+
+
+def test_chunk_size_does_not_change_the_signature(monkeypatch):
+    # CPU and accelerators chunk differently; the result must not depend on it.
+    t = torch.randn(signature.BLOCK_WORDS * 6 + 12, generator=torch.Generator().manual_seed(6))
+    expected = tensor_signature(t)
+    for words in (signature.BLOCK_WORDS * 2, signature.BLOCK_WORDS * 64):
+        monkeypatch.setattr(signature, "CPU_CHUNK_WORDS", words)
+        assert tensor_signature(t) == expected
+        assert tensor_signature(t.reshape(-1, 3)[:, :2]) == tensor_signature(t.reshape(-1, 3)[:, :2].contiguous())
 
 
 def test_structure_signature_covers_order_count_and_none():
@@ -75,6 +210,8 @@ def test_structure_signature_covers_order_count_and_none():
     changed = b.clone()
     changed.view(torch.int32)[0] ^= 1
     assert structure_signature([a, b]) != structure_signature([a, changed])
+    # One host copy per device for all digests; same value as signing one by one.
+    assert structure_signature([a, None, b]) == structure_signature(iter([a, None, b]))
 
 
 def test_signature_rejects_non_tensors_and_sparse():
@@ -82,6 +219,39 @@ def test_signature_rejects_non_tensors_and_sparse():
         tensor_signature([1, 2])
     with pytest.raises(TypeError):
         tensor_signature(torch.eye(3).to_sparse())
+    with pytest.raises(TypeError):
+        structure_signature([torch.ones(1), "x"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_sign_on_the_device_like_cpu_tensors():
+    gen = torch.Generator().manual_seed(7)
+    for t in (torch.randn(signature.DEVICE_CHUNK_WORDS * 2 + 5, generator=gen), torch.randn(3, 5).to(torch.bfloat16),
+              torch.ones(7, dtype=torch.bool), torch.tensor(2.5), torch.zeros(0, 4),
+              torch.randn(64, 48, generator=gen).t()):
+        assert tensor_signature(t.cuda()) == tensor_signature(t)
+    a, b = torch.randn(9), torch.randn(4, 4)
+    assert structure_signature([a.cuda(), None, b]) == structure_signature([a, None, b])
+    flipped = _flip(a, 5, 3).cuda()
+    assert tensor_signature(flipped) != tensor_signature(a.cuda())
+
+
+def _dtensor_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    replicated = distribute_tensor(full, mesh, [Replicate()])
+    return (tensor_signature(sharded) == tensor_signature(sharded.to_local()),
+            tensor_signature(replicated) == tensor_signature(full), tensor_signature(sharded))
+
+
+def test_dtensor_is_signed_by_its_local_shard():
+    results = run_ranks(_dtensor_rank, 2, timeout=60)
+    assert [r[:2] for r in results] == [(True, True), (True, True)]
+    assert results[0][2] != results[1][2]  # different shards, different signatures
 
 
 # -- the vote -----------------------------------------------------------------------------------
