@@ -10,11 +10,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from lm_resiliency import wire
+from lm_resiliency import enable_resiliency, wire
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups, time_compute
 from lm_resiliency.scout.reports import ReplayResult, replay_fault_reports
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
+from tests.distributed.scout_workloads import make_model
 from tests.harness import run_ranks
 
 WORLD = 4
@@ -157,3 +158,38 @@ def test_healthy_run_confirms_nothing():
             assert record["reports"] == [], (kind, record)
             assert not any(confirmed for _, confirmed, *_ in record["findings"]), (kind, record)
     assert time.monotonic() - start < 40
+
+
+def _session_comm_rank(rank, world, slow_rank, steps, probe_interval):
+    """enable_resiliency with a check every step and the probe every `probe_interval` steps;
+    rank `slow_rank`'s Python all_reduces (the probe's; DDP's buckets are C++) are delayed."""
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = ReplayHarnessConfig(check_interval=1, communication_probe_interval=probe_interval,
+                                 straggler_confirmation_rounds=CONFIRM, straggler_min_margin_s=0.015)
+    session = enable_resiliency(ddp, optimizer, replay=config, enable_checkpoint=False, interval=1)
+    history = {}
+    with _delayed_all_reduce(COMM_DELAY_S if rank == slow_rank else 0):
+        for step in range(1, steps + 1):
+            tokens = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(100 * rank + step))
+            ddp(tokens).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            result = session.last_replay_result
+            assert result is not None and result.step == step
+            history[step] = [[f.kind, list(f.ranks), f.confirmed] for f in result.stragglers
+                             if f.kind == "communication"]
+    session.close()
+    return history
+
+
+def test_session_probes_on_its_own_cadence_and_confirms_the_slow_endpoint():
+    # Checks run at every step, the probe at steps 3 and 6 only: rank 2 is a suspect at step 3
+    # and confirmed at step 6 (CONFIRM = 2 probe rounds), with nothing in between.
+    results = run_ranks(_session_comm_rank, WORLD, 2, 6, 3, timeout=120)
+    _assert_same_on_every_rank(results)
+    history = results[0]
+    assert {step: findings for step, findings in history.items() if step % 3} == {1: [], 2: [], 4: [], 5: []}
+    assert history[3] == [["communication", [2], False]]
+    assert history[6] == [["communication", [2], True]]

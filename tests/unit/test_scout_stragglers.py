@@ -270,3 +270,19 @@ def test_time_compute_measures_and_validates():
     assert calls == [1, 1]
     with pytest.raises(ValueError):
         time_compute(lambda: None, repeat=0)
+
+
+# ---------------------------------------------------------------- probe cadence
+
+
+def test_probe_cadence_defaults_to_every_fifth_check_and_is_validated():
+    from lm_resiliency.config import ConfigError
+    from lm_resiliency.scout.config import PROBE_EVERY_CHECKS
+
+    assert PROBE_EVERY_CHECKS == 5
+    assert ReplayHarnessConfig().probe_interval == 50
+    assert ReplayHarnessConfig(check_interval=3).probe_interval == 15
+    assert ReplayHarnessConfig(check_interval=3, communication_probe_interval=1).probe_interval == 1
+    for bad in (0, -2, 1.5, True, "10"):
+        with pytest.raises(ConfigError, match="ReplayHarnessConfig.communication_probe_interval"):
+            ReplayHarnessConfig(communication_probe_interval=bad)
