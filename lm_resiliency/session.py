@@ -29,12 +29,13 @@ from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_s
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
-from lm_resiliency.recovery import RecoveryDecision, RecoveryMode, select_mode
+from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
 from lm_resiliency.scout.certification import CertificationLedger, DurableCheckpointConfig, verdict_of
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
-from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
+from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
+from lm_resiliency.scout.sweep import SweepReport
 
 # Worst first: the verdict a capture boundary sees is the worst since the previous boundary.
 _VERDICT_SEVERITY = ("sdc", "inconclusive", "incomplete", "straggler", "clean")
@@ -361,16 +362,50 @@ class ResiliencySession:
         return copied
 
     def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision:
-        """Select latest or recovery-verified trust for `failure` (rank-local, non-collective) and
-        hand the decision to orchestration. A hang or uncertain failure has no full replay sweep
-        to rely on here, so it selects RECOVERY_VERIFIED (missing evidence is not clean evidence)."""
-        decision = self._decide(failure, all_ranks_accessible)
-        if self._orchestration is not None and self._orchestration.report_recovery is not None:
-            self._orchestration.report_recovery(decision)
+        """Select latest or recovery-verified trust for `failure`, hand the decision to
+        orchestration (`report_recovery`) and keep it as `last_recovery_decision`.
+
+        A hang or uncertain failure with every rank accessible first runs SCOUT's full-catalog
+        replay sweep (scout/sweep.py): collective among the peers that call it, so call it on every
+        rank; it talks over the c10d store, never the training process group, and gives up on
+        peers after `ReplayHarnessConfig.full_sweep_timeout_s`. Only a complete clean sweep selects
+        LATEST. SDC found by the sweep is handled like any SDC: verified-only recovery is latched
+        in the certification ledger (persisted), then the decision, the fault reports
+        (`report_fault`) and `fault_callback` follow. Every other case is rank-local and sends
+        nothing to other ranks."""
+        failure_class = FailureClass.parse(failure)
+        sweep = None
+        if all_ranks_accessible and failure_class in (FailureClass.HANG, FailureClass.UNCERTAIN):
+            sweep = self._full_sweep()
+            if sweep.outcome is SweepOutcome.SDC and self.ledger is not None:
+                self.ledger.note_sdc(self.step_count, sweep.reason)
+        decision = self._decide(failure, all_ranks_accessible, sweep)
+        hooks = self._orchestration
+        if hooks is not None and hooks.report_recovery is not None:
+            hooks.report_recovery(decision)
+        if sweep is not None and sweep.result is not None and not sweep.result.healthy:
+            self.last_replay_result = sweep.result
+            if hooks is not None and hooks.report_fault is not None:
+                for report in replay_fault_reports(sweep.result):
+                    hooks.report_fault(report)
+            if self._fault_callback is not None:
+                self._fault_callback(sweep.result)
         return decision
 
-    def _decide(self, failure: str, all_ranks_accessible: bool) -> RecoveryDecision:
-        mode, reason = select_mode(failure, all_ranks_accessible=all_ranks_accessible)
+    def _full_sweep(self) -> SweepReport:
+        if self.scout is None:
+            return SweepReport(SweepOutcome.NOT_RUN, "SCOUT is disabled (enable_detection=False)")
+        if self.scout.sweep is None:
+            return SweepReport(SweepOutcome.NOT_RUN, "SCOUT replay is off for this model (see the warning logged "
+                                                     "when the session started)")
+        return self.scout.sweep.run(self.step_count)
+
+    def _decide(self, failure: str, all_ranks_accessible: bool,
+                sweep: Optional[SweepReport] = None) -> RecoveryDecision:
+        mode, reason = select_mode(failure, all_ranks_accessible=all_ranks_accessible,
+                                   sweep=sweep.outcome if sweep is not None else SweepOutcome.NOT_RUN)
+        if sweep is not None:
+            reason = f"{reason} ({sweep.reason})"
         step, source = self._local_checkpoint(mode)
         decision = RecoveryDecision(
             failure=str(failure), mode=mode.value, source=source, step=step, durable_checkpoint_id=None,

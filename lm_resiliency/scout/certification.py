@@ -739,6 +739,18 @@ class CertificationLedger:
 
     # ------------------------------------------------------------ recovery
 
+    def note_sdc(self, step: int, reason: str) -> None:
+        """Latch verified-only recovery for SDC found outside a boundary (the full replay sweep of
+        `prepare_recovery`). Rank-local and non-collective, because the process group may be
+        unusable; persisted, and merged job-wide at the next construction or boundary (any rank's
+        latch wins)."""
+        if not _is_step(step):
+            raise ValueError(f"note_sdc: step must be a non-negative integer, got {step!r}")
+        self._sdc_step, self._sdc_pending = step, True
+        self._persist()
+        logger.error("lm-resiliency certification: %s; recovery must use a RECOVERY_VERIFIED step (known: %s)",
+                     reason, self.verified_steps())
+
     def resume_from(self, step: int) -> None:
         """Record that training state was just restored to `step` (call on every rank, same step).
 

@@ -47,6 +47,7 @@ class ReplayHarnessConfig:
     dataloader_stall_threshold_s: float = 120.0
     checkpoint_io_stall_threshold_s: float = 600.0
     monitor_poll_interval_s: float = 1.0
+    full_sweep_timeout_s: float = 120.0
     capture_inputs_by_value: bool = True
     seed: int = 0
 
@@ -74,7 +75,7 @@ class ReplayHarnessConfig:
                 and math.isfinite(self.straggler_min_margin_s) and self.straggler_min_margin_s >= 0,
                 "straggler_min_margin_s", "must be a finite number >= 0")
         for field in ("hang_stall_threshold_s", "dataloader_stall_threshold_s", "checkpoint_io_stall_threshold_s",
-                      "monitor_poll_interval_s"):
+                      "monitor_poll_interval_s", "full_sweep_timeout_s"):
             require(_positive_number(getattr(self, field)), field, "must be a positive, finite number of seconds")
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an int")
 

@@ -29,6 +29,7 @@ from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
+from lm_resiliency.scout.sweep import FullCatalogSweep
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class ScoutHarness:
             self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,
                                       on_report=on_oob_report, host=hosts.get(self.rank), prefix=prefix).start()
             self._trace = trace_collectives(self.beacon)
+        # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
+        self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
+            if self.detector is not None else None
 
     def _hosts(self, distributed: bool) -> Dict[int, str]:
         host = socket.gethostname()
@@ -96,6 +100,8 @@ class ScoutHarness:
     def before_forward(self, step: int) -> None:
         if self.detector is not None and self.detector.checks_due(step):
             self.detector.arm(step)
+            if self.sweep is not None:
+                self.sweep.record(step)
 
     def check_due(self, step: int) -> bool:
         return self.detector is not None and bool(self.detector.checks_due(step))
@@ -134,6 +140,9 @@ class ScoutHarness:
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+        if self.sweep is not None:
+            self.sweep.close()
+            self.sweep = None
         if self.detector is not None:
             self.detector.close()
             self.detector = None
