@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 CLEAN, SDC, PEER_GROUP, INCONCLUSIVE = "clean", "sdc", "peer_group", "inconclusive"
 
@@ -92,3 +92,52 @@ def vote(signatures: Dict[int, str]) -> Tuple[str, Tuple[int, ...]]:
     if votes * 2 > n:
         return SDC, tuple(sorted(rank for rank, sig in signatures.items() if sig != majority))
     return INCONCLUSIVE, ()
+
+
+# Mesh dimension names (PyTorch's, Lightning's, torchtitan's) along which replicas or FSDP shard
+# peers run the same computation on the same (unsharded) parameters, and those that split it.
+DATA_PARALLEL_DIMS = frozenset({"dp", "dp_replicate", "dp_shard", "data_parallel", "replicate", "shard"})
+MODEL_PARALLEL_DIMS = frozenset({"tp", "tensor_parallel"})
+
+
+class UnknownLayoutError(ValueError):
+    """The parallel layout does not say which ranks compute the same thing; SCOUT will not guess."""
+
+
+def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
+                              mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequence[int]]] = None
+                              ) -> List[List[int]]:
+    """Equivalent-peer groups for an adapter's `Topology.descriptor` and, when the model has
+    DTensor parameters, their root device mesh `(shape, dim names, ranks in mesh order)`.
+
+    Peers share every model-parallel (TP) coordinate and vary along every data-parallel one
+    (`dp_replicate` and `dp_shard`: FSDP shard peers replay the unsharded module). An unnamed
+    mesh is read the way the PyTorch adapter reads it: 1-D is FSDP, 2-D is HSDP. Raises
+    `UnknownLayoutError` for anything else rather than returning groups that could be wrong."""
+    if not _positive_int(world_size):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if mesh is None:
+        tp = descriptor.get("tp", 1)
+        if tp not in (None, 1):
+            raise UnknownLayoutError(f"the topology has tensor parallelism (tp={tp}) but no DTensor parameters; "
+                                     "SCOUT derives model-parallel coordinates from the parameters' device mesh")
+        return dense_peer_groups(world_size)
+    shape, names, ranks = tuple(mesh[0]), tuple(mesh[1] or ()), list(mesh[2])
+    if sorted(ranks) != list(range(world_size)):
+        raise UnknownLayoutError(f"the parameters' device mesh holds ranks {sorted(ranks)}, not the whole job "
+                                 f"(0..{world_size - 1}); ranks outside it have an unknown role")
+    if not names:
+        if len(shape) > 2:
+            raise UnknownLayoutError(f"an unnamed {len(shape)}-D device mesh {list(shape)}; name its dimensions "
+                                     f"(data-parallel: {sorted(DATA_PARALLEL_DIMS)}, model-parallel: "
+                                     f"{sorted(MODEL_PARALLEL_DIMS)})")
+        names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    unknown = [n for n in names if n not in DATA_PARALLEL_DIMS | MODEL_PARALLEL_DIMS]
+    if unknown:
+        raise UnknownLayoutError(f"device mesh dimensions {unknown} are neither data-parallel "
+                                 f"{sorted(DATA_PARALLEL_DIMS)} nor model-parallel {sorted(MODEL_PARALLEL_DIMS)}")
+    data_parallel = [n for n in names if n in DATA_PARALLEL_DIMS]
+    if not data_parallel:
+        return [[rank] for rank in sorted(ranks)]
+    positions = peer_groups_from_mesh(shape, names, replicate_dim=data_parallel)
+    return sorted(sorted(ranks[p] for p in group) for group in positions)

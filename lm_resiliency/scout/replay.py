@@ -37,6 +37,7 @@ from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, de
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.peers import CLEAN, vote
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
+from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class ReplayError(RuntimeError):
 
 
 class ReplayUnsupportedError(ValueError):
-    """The model cannot be replayed by this detector (e.g. FSDP2/DTensor-sharded parameters)."""
+    """The model cannot be replayed by this detector (e.g. a grouped `fully_shard([...])`)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _clone_inputs(value: Any, by_value: bool) -> Any:
@@ -240,18 +246,25 @@ class ReplayDetector:
         self.host = socket.gethostname()
         self._root = unwrap_model(model)
         self.catalog = ModuleCatalog.of(self._root)
+        # FSDP modules to unshard around each sampled module's replay (none for dense and TP-only models).
+        self._fsdp: Dict[str, List[nn.Module]] = {}
         for check in ACTIVATION_CHECKS:
-            for path, module in self._candidates(check):
-                if any(_is_dtensor(p) for p in module.parameters()):
-                    raise ReplayUnsupportedError(
-                        f"{check} module {path!r} has DTensor (FSDP2/TP-sharded) parameters; "
-                        "replaying it needs an unshard, which ReplayDetector does not do yet")
+            for path, _ in self._candidates(check):
+                self._fsdp[path] = self._fsdp_owners(path, check)
         self._names = {id(p): name for name, p in self._root.named_parameters()}
         self._captures: Dict[str, _Capture] = {}
         self._armed_step: Optional[int] = None
         self._replaying = False
 
     # -- schedule ---------------------------------------------------------------------------
+
+    def _fsdp_owners(self, path: str, what: str) -> List[nn.Module]:
+        owners = fsdp_modules_for(self._root, path)
+        try:
+            check_replayable(owners, path)
+        except ShardedReplayError as exc:
+            raise ReplayUnsupportedError(f"{what} module {path!r}: {exc}") from exc
+        return owners
 
     def _candidates(self, check: str) -> Tuple[Tuple[str, nn.Module], ...]:
         if check == "embedding":
@@ -348,21 +361,26 @@ class ReplayDetector:
         activation = [c for c in due if c != "optimizer"]
         plan = [[c, self._target(c, step)[0], self._source(c, step)] for c in activation]
         if "optimizer" in due:
-            plan.append(["optimizer", self._optimizer_target(step)[0], None])
+            plan.append(["optimizer", self._optimizer_target(step)[0], self._optimizer_source(step)])
         headers: Dict[str, dict] = {}
         outgoing: Dict[str, List[torch.Tensor]] = {}
         for check, path, source in plan:
             if source == self._rank:
-                headers[check], outgoing[check] = self._encode_capture(check, path, step, captures.get(path))
+                headers[check], outgoing[check] = self._encode_optimizer_slice(step, path) \
+                    if check == "optimizer" else self._encode_capture(check, path, step, captures.get(path))
         agreed = self._agree(step, plan, headers)
         local: List[dict] = []
+        optimizer_doc = None
         for check, path, source in plan:
-            if check == "optimizer":
+            if check == "optimizer" and source is None:
+                optimizer_doc = self._optimizer_check(step, None)
                 continue
             header = agreed[source].get(check)
             payload = self._receive(check, path, step, source, header, outgoing.get(check, []))
-            local.append(self._replay_one(check, path, self._target(check, step)[1], step, header, payload))
-        optimizer_doc = self._optimizer_check(step) if "optimizer" in due else None
+            if check == "optimizer":
+                optimizer_doc = self._optimizer_check(step, (header, payload))
+            else:
+                local.append(self._replay_one(check, path, self._target(check, step)[1], step, header, payload))
         doc = {"rank": self._rank, "host": self.host, "step": step, "checks": local, "optimizer": optimizer_doc}
         docs = self._gather(doc)
         return ReplayResult(step=step, checks=tuple(self._decide(step, docs)))
@@ -426,11 +444,23 @@ class ReplayDetector:
 
     def _replay_one(self, check: str, path: str, module: nn.Module, step: int, header: dict,
                     payload: torch.Tensor) -> dict:
-        entry: Dict[str, Any] = {"check": check, "module": path, "params": structure_signature(
-            list(module.parameters())), "skipped": None, "input": None, "out": None, "time": None, "error": None}
-        if not header.get("ok"):
-            entry["skipped"] = str(header.get("reason", "no capture"))
-            return entry
+        entry: Dict[str, Any] = {"check": check, "module": path, "params": None, "skipped": None, "input": None,
+                                 "out": None, "time": None, "error": None}
+        try:
+            # Unsharded on every peer, skipped checks included, so the FSDP all-gathers line up.
+            with unsharded(self._fsdp.get(path, [])):
+                entry["params"] = structure_signature(list(module.parameters()))
+                if not header.get("ok"):
+                    entry["skipped"] = str(header.get("reason", "no capture"))
+                    return entry
+                self._replay_on(check, path, module, step, header, payload, entry)
+        except ShardedReplayError as exc:
+            # FSDP state is the same on every rank, so every peer raises here together.
+            raise ReplayError(f"step {step} {check} check on {path!r}: {exc}") from exc
+        return entry
+
+    def _replay_on(self, check: str, path: str, module: nn.Module, step: int, header: dict,
+                   payload: torch.Tensor, entry: Dict[str, Any]) -> None:
         device = _module_device(module)
         try:
             layout = Layout.from_json(header["layout"])
@@ -464,49 +494,105 @@ class ReplayDetector:
         except Exception as exc:  # noqa: BLE001 - a failing replay is evidence, decided by the vote
             logger.warning("SCOUT replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        return entry
 
     def _optimizer_target(self, step: int) -> Tuple[str, torch.Tensor, int, int, int]:
         """(slice label, parameter, param-group index, slice start, slice width) checked at `step`.
 
-        Rotates through the optimizer's parameters, then through slices of each."""
+        Rotates through the optimizer's parameters, then through slices of each. A DTensor's
+        slice is of this rank's local shard; only the source's is used (`_optimizer_source`)."""
         params = self._optimizer_params()
         k = self._round("optimizer", step) - 1
         position = k % len(params)
         index, param = params[position]
         name = self._names.get(id(param), f"optimizer_params[{position}]")
-        numel = param.numel()
+        numel = _local(param).numel()
         width = min(numel, self.config.optimizer_check_max_elements)
         start = min(((k // len(params)) * width) % max(numel, 1), numel - width)
+        if _is_dtensor(param):
+            return f"{name}[local shard of rank {self._source('optimizer', step)}]", param, index, start, width
         return f"{name}[{start}:{start + width}]", param, index, start, width
 
-    def _optimizer_check(self, step: int) -> dict:
-        label, param, index, start, width = self._optimizer_target(step)
+    def _optimizer_source(self, step: int) -> Optional[int]:
+        """The peer whose slice everyone steps: a sharded parameter's slice is unique to each
+        rank, so the source shares its own; replicated parameters are stepped where they are."""
+        return self._source("optimizer", step) if _is_dtensor(self._optimizer_target(step)[1]) else None
+
+    def _optimizer_slice(self, step: int) -> dict:
+        """This rank's bounded slice of the sampled parameter: values, gradient, optimizer state."""
+        _, param, _, start, width = self._optimizer_target(step)
+        local = _local(param)
+        grad = param.grad
+        if grad is not None and grad.layout != torch.strided:
+            raise ReplayUnsupportedError(f"{grad.layout} gradients are not supported")
+        state = {}
+        for key, value in self.optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                value = _local(value).detach()
+                sliced = value.dim() > 0 and value.shape == local.shape
+                state[key] = value.reshape(-1)[start:start + width].clone() if sliced else value.clone()
+            else:
+                state[key] = copy.deepcopy(value)
+        return {"param": local.detach().reshape(-1)[start:start + width].clone(),
+                "grad": None if grad is None else _local(grad).detach().reshape(-1)[start:start + width].clone(),
+                "state": state}
+
+    def _encode_optimizer_slice(self, step: int, label: str) -> Tuple[dict, List[torch.Tensor]]:
+        """On the source of a sharded parameter's check: its slice as (JSON header, tensor leaves)."""
+        header: dict = {"ok": False, "step": step, "check": "optimizer", "module": label}
+        try:
+            encoded = encode_state(self._optimizer_slice(step))
+            layout = Layout.for_tensors(encoded.tensors)
+        except (StateEncodingError, ReplayUnsupportedError) as exc:
+            header["reason"] = f"the optimizer slice {label!r} cannot be shared: {exc}"
+            return header, []
+        header.update(ok=True, structure=encoded.structure, layout=layout.to_json())
+        return header, encoded.tensors
+
+    def _parameter_signature(self, name: str, param: torch.Tensor) -> str:
+        """Signature of the parameter every peer holds alike: FSDP-sharded parameters unsharded
+        (collective over the FSDP mesh), TP parameters by their local TP shard."""
+        if not _is_dtensor(param):
+            return tensor_signature(param)
+        owner = name.rpartition(".")[0] or "(root)"
+        try:
+            with unsharded(self._fsdp_owners(owner, "optimizer")):
+                return tensor_signature(self._root.get_parameter(name))
+        except (ReplayUnsupportedError, ShardedReplayError) as exc:
+            # The FSDP layout is the same on every rank, so every peer raises here together.
+            raise ReplayError(f"optimizer check of {name!r}: {exc}") from exc
+
+    def _shared_slice(self, step: int, label: str, shared: Tuple[dict, torch.Tensor]) -> dict:
+        header, payload = shared
+        if not header.get("ok"):
+            raise ReplayUnsupportedError(str(header.get("reason", "the source shared no slice")))
+        try:
+            leaves = Layout.from_json(header["layout"]).views(payload)
+            inputs = decode_state(header["structure"], list(leaves))
+        except (StateSchemaError, KeyError) as exc:
+            raise ReplayError(f"step {step} optimizer check of {label!r}: malformed shared slice: {exc}") from exc
+        if not isinstance(inputs, dict) or set(inputs) != {"param", "grad", "state"}:
+            raise ReplayError(f"step {step} optimizer check of {label!r}: the shared slice must be "
+                              "{'param', 'grad', 'state'}")
+        return inputs
+
+    def _optimizer_check(self, step: int, shared: Optional[Tuple[dict, torch.Tensor]]) -> dict:
+        """Step a shadow optimizer on the sampled slice: this rank's own (replicated parameter)
+        or the source's `shared` bytes (sharded parameter), and sign the result."""
+        label, param, index, _, _ = self._optimizer_target(step)
         name = label[:label.rindex("[")]
         entry: Dict[str, Any] = {"check": "optimizer", "param": name, "module": label,
-                                 "params": tensor_signature(param), "out": None, "time": None, "error": None}
-        device = param.device
+                                 "params": self._parameter_signature(name, param), "out": None, "time": None,
+                                 "error": None}
+        device = _local(param).device
         try:
-            if _is_dtensor(param):
-                raise ReplayUnsupportedError("DTensor parameters are not supported by the optimizer check")
-            shadow = nn.Parameter(param.detach().reshape(-1)[start:start + width].clone())
-            grad = param.grad
-            if grad is not None:
-                if grad.layout != torch.strided:
-                    raise ReplayUnsupportedError(f"{grad.layout} gradients are not supported")
-                shadow.grad = grad.detach().reshape(-1)[start:start + width].clone()
-            state = {}
-            for key, value in self.optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    sliced = value.dim() > 0 and value.shape == param.shape
-                    state[key] = value.detach().reshape(-1)[start:start + width].clone() if sliced \
-                        else value.detach().clone()
-                else:
-                    state[key] = copy.deepcopy(value)
+            inputs = self._optimizer_slice(step) if shared is None else \
+                _to_device(self._shared_slice(step, label, shared), device)
+            shadow = nn.Parameter(inputs["param"])
+            shadow.grad = inputs["grad"]
             hyper = {key: value for key, value in self.optimizer.param_groups[index].items() if key != "params"}
             shadow_optimizer = _shadow_optimizer(self.optimizer, shadow, hyper)
-            if state:
-                shadow_optimizer.state[shadow] = state
+            if inputs["state"]:
+                shadow_optimizer.state[shadow] = inputs["state"]
             with _SeededRng(self.config.seed + step, device):
                 _sync(device)
                 begin = time.perf_counter()
@@ -521,6 +607,8 @@ class ReplayDetector:
                               else torch.tensor([float(value)], dtype=torch.float64)
                               if isinstance(value, (int, float)) and not isinstance(value, bool) else None)
             entry["out"] = structure_signature(leaves)
+        except ReplayError:
+            raise
         except Exception as exc:  # noqa: BLE001 - decided by the vote (every peer failing raises)
             logger.warning("SCOUT optimizer check of %s failed on rank %d: %s", name, self._rank, exc)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
