@@ -128,7 +128,7 @@ class ResiliencySession:
             if enable_detection:
                 model, optimizer = adapter.replay_targets()
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
-                                          sharded=topology.kind in ("fsdp2", "hsdp"))
+                                          topology=topology)
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
                 _check_cadence(self.config.interval, self.replay_config)
                 if dist.is_initialized() and dist.get_world_size() > 1:

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
+from lm_resiliency.adapter import Topology
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
-from lm_resiliency.scout.peers import dense_peer_groups
+from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
@@ -36,16 +37,28 @@ logger = logging.getLogger(__name__)
 _SESSIONS = itertools.count()
 
 
-def _has_dtensor_parameters(model: nn.Module) -> bool:
-    return any(type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
-               for p in model.parameters())
+def _parameter_mesh(model: nn.Module) -> Optional[tuple]:
+    """(shape, dim names, ranks in mesh order) of the root device mesh of the model's DTensor
+    parameters; None without DTensors. Parameters on unrelated meshes: UnknownLayoutError."""
+    roots = {}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if type(p).__name__ == "DTensor" and mesh is not None:
+            root = mesh._get_root_mesh()
+            roots[id(root)] = root
+    if not roots:
+        return None
+    if len(roots) > 1:
+        raise UnknownLayoutError(f"the model's DTensor parameters live on {len(roots)} unrelated device meshes")
+    root = next(iter(roots.values()))
+    return list(root.shape), list(root.mesh_dim_names or []), root.mesh.flatten().tolist()
 
 
 class ScoutHarness:
     """Collective to construct (creates gloo subgroups in the same order on every rank)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ReplayHarnessConfig, *,
-                 on_oob_report: Callable[[SCOUTFaultReport], None], sharded: bool = False,
+                 on_oob_report: Callable[[SCOUTFaultReport], None], topology: Optional[Topology] = None,
                  probe_collectives: bool = True) -> None:
         self.config = config
         self.beacon = ProgressBeacon()
@@ -60,17 +73,21 @@ class ScoutHarness:
         hosts = self._hosts(distributed)
         group_ranks = [self.rank]
         replay_group = None
-        if self.world_size > 1:
-            for ranks in dense_peer_groups(self.world_size):
+        try:
+            peer_groups = peer_groups_from_topology(dict(topology.descriptor) if topology else {}, self.world_size,
+                                                    _parameter_mesh(model))
+        except UnknownLayoutError as exc:
+            # Every rank sees the same layout, so every rank skips the group creation below alike.
+            peer_groups = None
+            logger.warning("SCOUT: replay checks, replay-timed stragglers and checkpoint certification are off: "
+                           "%s (the out-of-band hang/stall monitor stays on)", exc)
+        if self.world_size > 1 and peer_groups is not None:
+            for ranks in peer_groups:
                 created = dist.new_group(ranks, backend="gloo")
                 self._groups.append(created)
                 if self.rank in ranks:
                     replay_group, group_ranks = created, list(ranks)
-        if sharded or _has_dtensor_parameters(model):
-            logger.warning("SCOUT: replay of FSDP2/HSDP-sharded modules is not supported yet; SDC replay checks, "
-                           "replay-timed stragglers, collective probes and checkpoint certification are off for "
-                           "this model (the out-of-band hang/stall monitor stays on)")
-        else:
+        if peer_groups is not None:
             try:
                 self.detector = ReplayDetector(model, optimizer, config, group=replay_group,
                                                group_ranks=group_ranks)
