@@ -370,9 +370,9 @@ class ResiliencySession:
         rank; it talks over the c10d store, never the training process group, and gives up on
         peers after `ReplayHarnessConfig.full_sweep_timeout_s`. Only a complete clean sweep selects
         LATEST. SDC found by the sweep is handled like any SDC: verified-only recovery is latched
-        in the certification ledger (persisted), then the decision, the fault reports
-        (`report_fault`) and `fault_callback` follow. Every other case is rank-local and sends
-        nothing to other ranks."""
+        in the certification ledger (persisted), then `fault_callback`, the decision and the fault
+        reports (`report_fault`) follow, as for a replay fault. Every other case is rank-local and
+        sends nothing to other ranks."""
         failure_class = FailureClass.parse(failure)
         sweep = None
         if all_ranks_accessible and failure_class in (FailureClass.HANG, FailureClass.UNCERTAIN):
@@ -380,16 +380,17 @@ class ResiliencySession:
             if sweep.outcome is SweepOutcome.SDC and self.ledger is not None:
                 self.ledger.note_sdc(self.step_count, sweep.reason)
         decision = self._decide(failure, all_ranks_accessible, sweep)
+        faulty = sweep is not None and sweep.result is not None and not sweep.result.healthy
+        if faulty:
+            self.last_replay_result = sweep.result
+            if self._fault_callback is not None:
+                self._fault_callback(sweep.result)
         hooks = self._orchestration
         if hooks is not None and hooks.report_recovery is not None:
             hooks.report_recovery(decision)
-        if sweep is not None and sweep.result is not None and not sweep.result.healthy:
-            self.last_replay_result = sweep.result
-            if hooks is not None and hooks.report_fault is not None:
-                for report in replay_fault_reports(sweep.result):
-                    hooks.report_fault(report)
-            if self._fault_callback is not None:
-                self._fault_callback(sweep.result)
+        if faulty and hooks is not None and hooks.report_fault is not None:
+            for report in replay_fault_reports(sweep.result):
+                hooks.report_fault(report)
         return decision
 
     def _full_sweep(self) -> SweepReport:

@@ -20,8 +20,10 @@ unique per session and call, and every wait is bounded by `full_sweep_timeout_s`
 Outcome: CLEAN (every module agreed bitwise), SDC (localized ranks and modules in the result),
 INCOMPLETE (a peer did not answer in time, a replay raised, or the vote had no strict majority),
 NOT_RUN (no recording in the group, no equivalent peer, or the recording cannot be shared).
-A rank that skips a sweep call is out of step with its peers' later calls: those sweeps come back
-INCOMPLETE, never clean. Keys stay in the store (one batch per call; calls are rare).
+Calls are matched by their order in the session. A rank that skips a call is out of step with its
+peers' later calls, which come back INCOMPLETE; its own next call reads the peers' answers to the
+call it skipped (INCOMPLETE when their optimizer step differs). Keys stay in the store (one batch
+per call; calls are rare).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency.scout.signature import structure_signature
 from tests.distributed.scout_workloads import make_model, sign_flip
 
 DONE_KEY = "test/sweep/done"
@@ -23,12 +24,16 @@ def _flip_one_weight_bit(module: torch.nn.Module) -> None:
         module.weight.view(-1).view(torch.int32)[5] ^= 1 << 22  # a high mantissa bit of one weight
 
 
+def _device_lost(module, args):
+    raise RuntimeError("device lost")
+
+
 def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
     """Train `steps` steps, apply `scenario`, call prepare_recovery; returns what this rank saw.
 
-    scenario: "clean" (hang and uncertain), "sign_flip" (rank `fault_rank` negates one element of
+    scenario: "clean" (hang and uncertain, model switched to eval mode first), "sign_flip" (rank `fault_rank` negates one element of
     layers.1's output from now on), "parameter" (one bit of layers.0.lin.weight flipped on
-    `fault_rank`), "absent" (`fault_rank` never calls prepare_recovery and leaves once the others
+    `fault_rank`), "raises" (layers.2 raises on `fault_rank`), "absent" (`fault_rank` never calls prepare_recovery and leaves once the others
     are done), "rank_local" (rank 0 alone decides a straggler and an inaccessible hang, then every
     rank sweeps)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,12 +41,13 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
     model = make_model()
     ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    events, faults = [], []
+    events = []
     hooks = OrchestrationHooks(report_fault=lambda r: events.append(("fault", r.to_json())),
                                report_recovery=lambda d: events.append(("recovery", d.to_json())))
     session = enable_resiliency(
         ddp, optimizer, interval=2, orchestration=hooks,
-        fault_callback=lambda result: faults.append(sorted({r for c in result.checks for r in c.faulty})),
+        fault_callback=lambda result: events.append(("callback", sorted({r for c in result.checks
+                                                                         for r in c.faulty}))),
         checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="sweep", timeout_s=60),
         replay=ReplayHarnessConfig(hang_stall_threshold_s=120, monitor_poll_interval_s=0.5,
                                    full_sweep_timeout_s=timeout_s))
@@ -54,6 +60,11 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
         model.layers[1].register_forward_hook(sign_flip, with_kwargs=True)
     if scenario == "parameter" and rank == fault_rank:
         _flip_one_weight_bit(model.layers[0].lin)
+    if scenario == "raises" and rank == fault_rank:
+        model.layers[2].register_forward_pre_hook(_device_lost)
+    if scenario == "clean":
+        model.eval()   # the sweep replays in the recorded (train) mode and must put eval back
+    state, rng = structure_signature(list(model.state_dict().values())), torch.get_rng_state()
     decisions = []
     store = dist.distributed_c10d._get_default_store()
     if scenario == "absent" and rank == fault_rank:
@@ -68,7 +79,10 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
             decisions.append(session.prepare_recovery("uncertain").to_json())
         store.add(DONE_KEY, 1)
     persisted = (session.manager.store.read_status() or {}).get("trust", {})   # none before a boundary
-    seen = {"decisions": decisions, "events": events, "faults": faults,
+    seen = {"decisions": decisions, "events": events,
+            "untouched": structure_signature(list(model.state_dict().values())) == state
+            and torch.equal(torch.get_rng_state(), rng),
+            "training": sorted({m.training for m in model.modules()}),
             "latched": session.ledger.requires_verified_recovery,
             "persisted_latch": persisted.get("sdc_pending", False)}
     session.close()

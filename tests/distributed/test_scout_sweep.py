@@ -20,25 +20,27 @@ def test_clean_sweep_selects_latest(tmp_path):
             assert (decision["failure"], decision["mode"], decision["source"]) == (failure, "latest", "memory")
             assert "full replay sweep completed clean" in decision["reason"]
             assert "every module agreed bitwise" in decision["reason"]
-        assert [kind for kind, _ in seen["events"]] == ["recovery", "recovery"]
-        assert seen["faults"] == [] and not seen["latched"]
+        assert [kind for kind, _ in seen["events"]] == ["recovery", "recovery"] and not seen["latched"]
+        # Parameters, buffers, the live RNG and every module's eval mode are as before the sweep.
+        assert seen["untouched"] and seen["training"] == [False]
 
 
 def _assert_sdc_on(seen, rank, module):
     decision = seen["decisions"][0]
     assert decision["mode"] == "recovery_verified"
     assert f"SDC localized to ranks [{rank}]" in decision["reason"] and module in decision["reason"]
+    # As for any replay fault: fault_callback, then the decision, then the fault reports.
     kinds = [kind for kind, _ in seen["events"]]
-    assert kinds[0] == "recovery" and set(kinds[1:]) == {"fault"} and len(kinds) > 1
-    assert all(report["kind"] == "sdc" and report["ranks"] == [rank] for _, report in seen["events"][1:])
-    assert seen["faults"] == [[rank]]
+    assert kinds[:2] == ["callback", "recovery"] and set(kinds[2:]) == {"fault"} and len(kinds) > 2
+    assert seen["events"][0][1] == [rank]
+    assert all(report["kind"] == "sdc" and report["ranks"] == [rank] for _, report in seen["events"][2:])
     assert seen["latched"] and seen["persisted_latch"]
 
 
 def test_sign_flip_in_one_hidden_layer_is_localized_to_that_rank(tmp_path):
     for seen in _sweep(tmp_path, "sign_flip", fault_rank=2):
         _assert_sdc_on(seen, 2, "hidden layers.1")
-        reports = [report for _, report in seen["events"][1:]]
+        reports = [report for _, report in seen["events"][2:]]
         # The flipped layer and everything downstream disagree; its parameters and upstream agree.
         assert sorted(r["resource"] for r in reports) == ["hidden:layers.1", "hidden:layers.2", "output:head"]
 
@@ -46,7 +48,7 @@ def test_sign_flip_in_one_hidden_layer_is_localized_to_that_rank(tmp_path):
 def test_corrupted_parameter_is_localized_to_that_rank(tmp_path):
     for seen in _sweep(tmp_path, "parameter", fault_rank=1):
         _assert_sdc_on(seen, 1, "parameters layers.0")
-        resources = {report["resource"] for _, report in seen["events"][1:]}
+        resources = {report["resource"] for _, report in seen["events"][2:]}
         assert "parameters:layers.0" in resources and "parameters:layers.1" not in resources
 
 
@@ -58,6 +60,14 @@ def test_rank_that_never_calls_makes_the_sweep_incomplete(tmp_path):
         assert decision["mode"] == "recovery_verified"
         assert "the full replay sweep did not complete" in decision["reason"]
         assert "ranks [3] did not join the sweep" in decision["reason"]
+        assert [kind for kind, _ in seen["events"]] == ["recovery"] and not seen["latched"]
+
+
+def test_replay_that_raises_on_one_rank_makes_the_sweep_incomplete(tmp_path):
+    for seen in _sweep(tmp_path, "raises", fault_rank=0):
+        decision = seen["decisions"][0]
+        assert decision["mode"] == "recovery_verified"
+        assert "the replay raised on rank 0: RuntimeError: device lost" in decision["reason"]
         assert [kind for kind, _ in seen["events"]] == ["recovery"] and not seen["latched"]
 
 
