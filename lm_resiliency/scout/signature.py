@@ -12,25 +12,29 @@ A signature is 16 hex characters. Guarantees:
   chance of about 2**-64.
 
 Construction. The tensor's bytes, in logical (row-major) order, are read as little-endian
-64-bit words w_i (the last one zero-padded). Position i = b * BLOCK_WORDS + j gets an odd
-multiplier m_j and an offset c_j + b * K (fixed pseudo-random tables, K odd), and
+64-bit words w_i (the last one zero-padded). Position i = b * BLOCK_WORDS + j gets the offset
+c_j + b * K (c_j: a fixed table of pseudo-random words, K odd), and
 
-    data = sum_i fmix64(w_i * m_j + c_j + b * K)   (mod 2**64)
-    signature = fmix64(data XOR blake2b64(dtype, shape))
+    data = sum_i mix(w_i + c_j + b * K)   (mod 2**64)
+    signature = mix(data XOR blake2b64(dtype, shape))
 
-fmix64 (MurmurHash3's finalizer) is a bijection of 64-bit words, and so are multiplying by an
-odd number and adding a constant. Each term is therefore a bijection of its own word: changing
-one word changes exactly one term, so the sum changes and cannot cancel. The linear part alone
-(sum of w_i * m_i) would not do: flipping the top bit of two words adds 2**63 * odd twice,
-which is 0 mod 2**64; fmix64 spreads every input bit over the whole term first. The final
-fmix64 is again a bijection of `data`, so the header cannot undo a data change.
+where mix is MurmurHash3's 64-bit finalizer with 32-bit shifts (x ^= x >> 32; x *= C1;
+x ^= x >> 32; x *= C2; x ^= x >> 32). Each step is a bijection of 64-bit words (a right
+xorshift, a multiplication by an odd constant, adding a constant), so each term is a bijection
+of its own word: changing one word changes exactly one term, hence the sum, which cannot
+cancel. The offsets make the terms position-dependent (moved elements land in other terms).
+A linear position hash alone (sum of w_i * odd_i) would not do: flipping the top bit of two
+words adds 2**63 * odd twice, which is 0 mod 2**64; mix spreads every input bit over the whole
+term first. The final mix is again a bijection of `data`, so the header cannot undo a data
+change.
 
-Cost: about fifteen elementwise integer passes over the tensor's words with torch ops on the
-tensor's own device, in chunks (two work buffers of at most CPU_CHUNK_WORDS or
+Cost: about ten elementwise integer passes over the tensor's words with torch ops on the
+tensor's own device, in chunks (one work buffer of at most CPU_CHUNK_WORDS or
 DEVICE_CHUNK_WORDS words), then one 8-byte result per tensor copied to the host
 (`structure_signature`: one copy for all of its tensors on a device). Works for every dense
 dtype (bfloat16, bool and the float8 types included: the bytes are read through a `uint8`
-view), 0-d, empty and non-contiguous tensors. A DTensor is signed by its local shard.
+view), 0-d, empty and non-contiguous tensors. A DTensor is signed by its local shard. Words
+are little-endian, the byte order of every supported host and accelerator.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ _MASK64 = (1 << 64) - 1
 _BLOCK_KEY = 0x9E3779B97F4A7C15  # odd
 _FMIX_C1 = 0xFF51AFD7ED558CCD
 _FMIX_C2 = 0xC4CEB9FE1A85EC53
-_TABLES: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+_OFFSETS: Dict[torch.device, torch.Tensor] = {}
 
 
 def _signed(value: int) -> int:
@@ -58,40 +62,34 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
 
 
-def _fmix64_host(value: int) -> int:
+def _mix_host(value: int) -> int:
     value &= _MASK64
-    value ^= value >> 33
+    value ^= value >> 32
     value = (value * _FMIX_C1) & _MASK64
-    value ^= value >> 33
+    value ^= value >> 32
     value = (value * _FMIX_C2) & _MASK64
-    return value ^ (value >> 33)
+    return value ^ (value >> 32)
 
 
-def _fmix64_(x: torch.Tensor, scratch: torch.Tensor) -> None:
-    """fmix64 in place on int64 words; `scratch` is a buffer of x's shape."""
-    low31 = (1 << 31) - 1
+def _mix_(x: torch.Tensor) -> None:
+    """`mix` in place on a contiguous int64 tensor."""
+    halves = x.view(torch.int32)
+    low, high = halves[0::2], halves[1::2]  # little-endian: x >> 32 (logical) is the high half
     for multiplier in (_FMIX_C1, _FMIX_C2, None):
-        # Logical shift: the arithmetic shift's sign copies land in the bits the mask clears.
-        torch.bitwise_right_shift(x, 33, out=scratch)
-        scratch.bitwise_and_(low31)
-        x.bitwise_xor_(scratch)
+        low.bitwise_xor_(high)
         if multiplier is not None:
             x.mul_(_signed(multiplier))
 
 
-def _tables(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(odd multipliers m_j, offsets c_j) for the positions of one block, on `device`."""
-    tables = _TABLES.get(device)
-    if tables is None:
-        positions = torch.arange(BLOCK_WORDS, dtype=torch.int64)
-        multipliers = positions * _signed(0xD6E8FEB86659FD93) + _signed(0x2545F4914F6CDD1D)
-        offsets = positions * _signed(0xA0761D6478BD642F) + _signed(0xE7037ED1A0B428DB)
-        scratch = torch.empty_like(positions)
-        _fmix64_(multipliers, scratch)
-        _fmix64_(offsets, scratch)
-        tables = (multipliers.bitwise_or_(1).to(device), offsets.to(device))
-        _TABLES[device] = tables
-    return tables
+def _offsets(device: torch.device) -> torch.Tensor:
+    """The offsets c_j of the positions of one block, on `device`."""
+    offsets = _OFFSETS.get(device)
+    if offsets is None:
+        offsets = torch.arange(BLOCK_WORDS, dtype=torch.int64).mul_(_signed(0xA0761D6478BD642F))
+        offsets.add_(_signed(0xE7037ED1A0B428DB))
+        _mix_(offsets)
+        offsets = _OFFSETS[device] = offsets.to(device)
+    return offsets
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,35 +124,34 @@ def _byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
         yield t[start:start + rows].contiguous().reshape(-1).view(torch.uint8)
 
 
-def _mix_words(total: torch.Tensor, words: torch.Tensor, scratch: torch.Tensor, first_block: int) -> None:
-    """Add sum_i fmix64(w_i * m_j + c_j + b * K) over `words` (starting at block `first_block`) to `total`."""
-    multipliers, offsets = _tables(words.device)
+def _mix_words(words: torch.Tensor, first_block: int) -> torch.Tensor:
+    """sum_i mix(w_i + c_j + b * K) over `words` (starting at block `first_block`), 0-d, on their device."""
+    offsets = _offsets(words.device)
     full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
     for start, stop in ((0, full), (full, words.numel())):
         if stop == start:
             continue
         width = min(stop - start, BLOCK_WORDS)
         rows = words[start:stop].view(-1, width)
-        rows.mul_(multipliers[:width]).add_(offsets[:width])
+        rows.add_(offsets[:width])
         block = first_block + start // BLOCK_WORDS
-        if rows.shape[0] == 1:
-            rows.add_(_signed(block * _BLOCK_KEY))
-        else:
+        if rows.shape[0] > 1:
             keys = torch.arange(block, block + rows.shape[0], dtype=torch.int64, device=words.device)
             rows.add_(keys.mul_(_signed(_BLOCK_KEY)).unsqueeze(1))
-    _fmix64_(words, scratch)
-    total.add_(words.sum())
+        elif block:
+            rows.add_(_signed(block * _BLOCK_KEY))
+    _mix_(words)
+    return words.sum()
 
 
 def _data_digest(t: torch.Tensor) -> torch.Tensor:
     """The data part of the signature as a 0-d int64 tensor on `t`'s device (no host sync)."""
     chunk_words = CPU_CHUNK_WORDS if t.device.type == "cpu" else DEVICE_CHUNK_WORDS
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
-        return total
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    sums = []
     words = torch.empty(min(chunk_words, -(-nbytes // 8)), dtype=torch.int64, device=t.device)
-    scratch = torch.empty_like(words)
     window = words.view(torch.uint8)
     filled, block = 0, 0
     for piece in _byte_pieces(t, chunk_words * 8):
@@ -164,14 +161,14 @@ def _data_digest(t: torch.Tensor) -> torch.Tensor:
             window[filled:filled + n].copy_(piece[taken:taken + n])
             filled, taken = filled + n, taken + n
             if filled == window.numel():
-                _mix_words(total, words, scratch, block)
+                sums.append(_mix_words(words, block))
                 block += words.numel() // BLOCK_WORDS
                 filled = 0
     if filled:
         used = -(-filled // 8)
         window[filled:used * 8].zero_()
-        _mix_words(total, words[:used], scratch[:used], block)
-    return total
+        sums.append(_mix_words(words[:used], block))
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
 def _header_key(t: torch.Tensor) -> int:
@@ -180,7 +177,7 @@ def _header_key(t: torch.Tensor) -> int:
 
 
 def _finish(data: int, key: int) -> str:
-    return f"{_fmix64_host((data & _MASK64) ^ key):016x}"
+    return f"{_mix_host((data & _MASK64) ^ key):016x}"
 
 
 def tensor_signature(t: torch.Tensor) -> str:
