@@ -87,3 +87,20 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
             "persisted_latch": persisted.get("sdc_pending", False)}
     session.close()
     return seen
+
+
+def sharded(rank, world, folder):
+    """An FSDP2-sharded model trained past a check step; returns its prepare_recovery("hang")."""
+    from tests.distributed.session_workloads import batch, build
+
+    model, wrapped, features = build("fsdp2", rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    session = enable_resiliency(wrapped, optimizer, interval=2,
+                                checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="sharded", timeout_s=60))
+    for step in range(2):
+        wrapped(batch(step, rank, features)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    decision = session.prepare_recovery("hang").to_json()
+    session.close()
+    return decision

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.distributed.sweep_workloads import run
+from tests.distributed.sweep_workloads import run, sharded
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,3 +91,10 @@ def test_straggler_and_inaccessible_hang_decide_without_a_sweep(tmp_path):
     # step with the other ranks' and come back incomplete instead of clean.
     for seen in results:
         assert [d["mode"] for d in seen["decisions"][-2:]] == ["latest", "latest"]
+
+
+def test_sharded_model_is_not_swept_over_the_training_process_group(tmp_path):
+    for decision in run_ranks(sharded, 2, str(tmp_path), timeout=200):
+        assert decision["mode"] == "recovery_verified"
+        assert "no replay evidence is available (the model has sharded (FSDP2/HSDP DTensor) parameters" \
+            in decision["reason"]
