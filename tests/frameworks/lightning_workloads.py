@@ -190,6 +190,25 @@ def _local(value: Any) -> Any:
         value.detach().clone() if torch.is_tensor(value) else value)
 
 
+class RecordReplay(Callback):
+    """SCOUT's replay results as they happen: (step, healthy, fault reports), and this rank's peers."""
+
+    def __init__(self, resiliency: ResiliencyCallback) -> None:
+        self.resiliency = resiliency
+        self.results: List[tuple] = []
+        self.peers: Optional[tuple] = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lm_resiliency.scout.reports import replay_fault_reports
+
+        session = self.resiliency.session
+        detector = session.scout.detector if session.scout is not None else None
+        self.peers = None if detector is None else detector.group_ranks
+        result = session.last_replay_result
+        if result is not None and (not self.results or self.results[-1][0] != result.step):
+            self.results.append((result.step, result.healthy, replay_fault_reports(result)))
+
+
 def fit_model_parallel(rank: int, world: int, folder: str, max_steps: int, phase: str) -> Any:
     """dp=2 x tp=2 on 4 ranks. phase 'kill' dies after step 7; 'resume' resumes, then runs an
     uninterrupted baseline in the same processes."""
@@ -199,10 +218,11 @@ def fit_model_parallel(rank: int, world: int, folder: str, max_steps: int, phase
         L.seed_everything(0, verbose=False)
         model = TPNet()
         callbacks: List[Callback] = []
-        callback = None
+        callback = replay = None
         if resilient:
             callback = ResiliencyCallback(interval=2, checkpoint=_config(run_folder, "lightning-mp"))
-            callbacks.append(callback)
+            replay = RecordReplay(callback)
+            callbacks += [callback, replay]
         if kill_at is not None:
             callbacks.append(KillAt(kill_at))
         trainer = L.Trainer(accelerator="cpu", devices=world,
@@ -219,7 +239,8 @@ def fit_model_parallel(rank: int, world: int, folder: str, max_steps: int, phase
                  "global_step": int(trainer.global_step)}
         topology = dict(callback.topology.descriptor) if callback is not None else None
         return {"recovered": callback.recovered_step if callback else None, "seen": list(model.seen),
-                "state": state, "topology": topology}
+                "state": state, "topology": topology, "replay": replay.results if replay else None,
+                "peers": replay.peers if replay else None}
 
     if phase == "kill":
         return one(folder, True, 7)

@@ -126,6 +126,10 @@ def test_model_parallel_dp2_tp2_sigkill_resumes_bitwise_equal(tmp_path):
         coordinates.add(tuple(topology["coordinate"]))
         assert resumed["seen"] == [seen for seen in baseline["seen"] if seen[0] >= 6]
         assert_same(resumed["state"], baseline["state"], f"rank {rank}")
+        # SCOUT replays the FSDP2+TP model among data-parallel peers of one TP coordinate; clean: no reports.
+        assert resumed["peers"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        assert [(step, healthy, reports) for step, healthy, reports in resumed["replay"]] == \
+            [(8, True, []), (10, True, [])]
     assert coordinates == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
