@@ -12,6 +12,10 @@ Per scheduled check (`ReplayHarnessConfig.interval_for`):
    bounded slice of one parameter goes through a shadow optimizer step. One JSON all-gather
    exchanges every signature; `vote` decides each check the same way on every peer.
 
+FSDP2/HSDP modules are replayed, and their parameters signed, unsharded (`scout.sharded`); a
+sharded parameter's optimizer slice is the source's, shared like an invocation. TP modules keep
+their DTensor parameters; their collectives line up because every rank runs the same plan.
+
 A faulty device shows up because the replay runs the module's real forward (its hooks included)
 on the faulty peer, which then disagrees with the majority. Parameters and live gradients are
 never modified; the module's buffers are restored after the replay; the live RNG state is
@@ -351,8 +355,10 @@ class ReplayDetector:
         """Replay and vote every check due at `step`. Collective over the group.
 
         Collectives: one JSON all-gather agreeing on the plan (and carrying the sources'
-        invocation headers), one uint8 broadcast per activation check, one JSON all-gather of
-        the signatures. Raises `ReplayError` on every peer when the peers' plans differ."""
+        invocation headers), one uint8 broadcast per activation check (and per optimizer check
+        of a sharded parameter), one JSON all-gather of the signatures; with FSDP, the unshard
+        all-gathers over the FSDP mesh. Raises `ReplayError` on every peer when the peers' plans
+        differ."""
         _check_step(step)
         self._remove_captures()
         captures = self._captures if self._armed_step == step else {}
