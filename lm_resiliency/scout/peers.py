@@ -117,9 +117,9 @@ def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
     if not _positive_int(world_size):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if mesh is None:
-        tp = descriptor.get("tp", 1)
+        tp = descriptor.get("tp", descriptor.get("mp_world_size", 1))  # mp_world_size: DeepSpeed's
         if tp not in (None, 1):
-            raise UnknownLayoutError(f"the topology has tensor parallelism (tp={tp}) but no DTensor parameters; "
+            raise UnknownLayoutError(f"the topology has model parallelism (tp={tp}) but no DTensor parameters; "
                                      "SCOUT derives model-parallel coordinates from the parameters' device mesh")
         return dense_peer_groups(world_size)
     shape, names, ranks = tuple(mesh[0]), tuple(mesh[1] or ()), list(mesh[2])

@@ -92,6 +92,7 @@ def test_peer_groups_from_topology():
     ({}, ([2], ["dp"], [0, 1]), "not the whole job"),
     ({}, ([2, 1, 2], [], [0, 1, 2, 3]), "unnamed 3-D"),
     ({"tp": 2}, None, "no DTensor parameters"),
+    ({"kind": "deepspeed", "mp_world_size": 2}, None, "model parallelism"),
 ])
 def test_unknown_layouts_are_refused_not_guessed(descriptor, mesh, message):
     with pytest.raises(UnknownLayoutError, match=message):
