@@ -26,28 +26,27 @@ import argparse
 import gc
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
+from benchmarks._ranks import format_table, gather, run_ranks
+from benchmarks._ranks import log as _log
+
 MIB = 1024 * 1024
 GB = 1e9  # throughput is reported in decimal GB/s
 
-_T0 = time.monotonic()
 
 
 def log(msg: str) -> None:
-    print(f"[gemini-bench +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    _log("gemini-bench", msg)
 
 
 # ----------------------------------------------------------------------------- state & helpers
@@ -193,13 +192,7 @@ class Ranks:
         self.world = world
 
     def gather(self, values: List[float]) -> List[List[float]]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t)
-        return [o.tolist() for o in out]
+        return gather(values, self.world)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -697,69 +690,12 @@ def _strip(timed: dict) -> dict:
 _PHASES = {"capture": phase_capture, "disk": phase_recover, "peer_disk": phase_recover}
 
 
-def _child(phase: str, rank: int, world: int, opts: dict, init_file: str, result_path: str) -> None:
-    global _T0
-    _T0 = opts["t0"]  # progress lines show time since the parent started (monotonic is host-wide)
-    code = 0
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts["timeout"]))
-        payload = {"ok": True, "result": _PHASES[phase](rank, world, opts)}
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        payload = {"ok": False, "error": traceback.format_exc()}
-        code = 1
-    try:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(payload, f)
-        os.replace(result_path + ".tmp", result_path)
-    finally:
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(code)  # skip interpreter teardown: gloo threads can abort a normal exit
-
-
 def run_phase(phase: str, world: int, opts: dict, work: str) -> List[dict]:
-    ctx = mp.get_context("spawn")
     pdir = tempfile.mkdtemp(prefix=f"phase-{phase}-", dir=work)
-    init_file = os.path.join(pdir, "store")
-    procs = []
-    for rank in range(world):
-        p = ctx.Process(target=_child, args=(phase, rank, world, opts, init_file,
-                                             os.path.join(pdir, f"result{rank}.json")), daemon=True)
-        p.start()
-        procs.append(p)
-    deadline = time.monotonic() + opts["timeout"]
     try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        return run_ranks(_PHASES[phase], world, opts, pdir, name=f"benchmark phase {phase!r}")
     finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
-    results, errors = [], []
-    for rank, p in enumerate(procs):
-        path = os.path.join(pdir, f"result{rank}.json")
-        if not os.path.exists(path):
-            errors.append(f"rank {rank}: no result (exit code {p.exitcode})")
-            results.append(None)
-            continue
-        with open(path) as f:
-            payload = json.load(f)
-        if not payload["ok"]:
-            errors.append(f"rank {rank} raised:\n{payload['error']}")
-        results.append(payload.get("result"))
-    shutil.rmtree(pdir, ignore_errors=True)
-    if hung:
-        errors.insert(0, f"ranks {hung} did not finish within {opts['timeout']}s (killed)")
-    if errors:
-        raise RuntimeError(f"benchmark phase {phase!r} failed:\n" + "\n".join(errors))
-    return results
+        shutil.rmtree(pdir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- report
@@ -839,16 +775,6 @@ def build_rows(a: dict, disk: dict, peer_disk: dict) -> List[dict]:
     return rows
 
 
-def format_table(rows: List[dict]) -> str:
-    cols = ["metric", "ours", "baseline", "ratio", "target", "result"]
-    heads = ["metric", "ours", "baseline / peer", "ratio", "target", "result"]
-    widths = [max(len(h), *(len(str(r[c])) for r in rows)) for c, h in zip(cols, heads)]
-    line = lambda vals: " | ".join(str(v).ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    out = [line(heads), "-+-".join("-" * w for w in widths)]
-    out += [line([r[c] for c in cols]) for r in rows]
-    return "\n".join(out)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -871,13 +797,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.total_mib < 1 or args.reps < 1 or args.disk_reps < 1:
         p.error("--total-mib, --reps and --disk-reps must be positive")
 
-    os.environ["OMP_NUM_THREADS"] = "1"
     work = tempfile.mkdtemp(prefix="gemini-bench-", dir=args.tmp)
     opts = {
         "per_rank_bytes": args.total_mib * MIB // args.ranks, "reps": args.reps, "disk_reps": args.disk_reps,
         "chunk_mib": args.chunk_mib, "step_ms": args.step_ms, "interval": args.interval,
         "loop_captures": args.loop_captures, "timeout": args.timeout,
-        "t0": _T0, "many_tensors": args.many_tensors,
+        "many_tensors": args.many_tensors,
         "gemini_dir": os.path.join(work, "gemini"), "work_dir": work,
         "torch_dir": os.path.join(work, "torch-save"), "dcp_dir": os.path.join(work, "dcp"),
     }
@@ -947,7 +872,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{os.cpu_count()} CPUs; time = slowest rank, median of reps")
     print("torch.load / dcp.load / node-local / peer-disk recoveries: fresh processes, page cache dropped; "
           f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
-    print(format_table(rows))
+    print(format_table(rows, ["metric", "ours", "baseline", "ratio", "target", "result"],
+                       ["metric", "ours", "baseline / peer", "ratio", "target", "result"]))
     print(f"recovered states verified bit-exact: {verified}; results written to {args.out}")
     return 0 if verified else 1
 

@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
-from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
+from benchmarks._ranks import format_table, gather, pct, run_ranks
+from benchmarks._ranks import log as _log
+
 MIB = 1024 * 1024
-_T0 = time.monotonic()
 
 # Blocking time inside the session hooks, accumulated by the wrappers below (one model trains at
 # a time in a rank process, so one accumulator per hook name suffices).
@@ -48,7 +46,7 @@ _HOOK_S: Dict[str, float] = {name: 0.0 for name in _HOOK_NAMES}
 
 
 def log(msg: str) -> None:
-    print(f"[healthy-bench +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    _log("healthy-bench", msg)
 
 
 def install_hook_timers() -> None:
@@ -114,17 +112,6 @@ def take_hook_time() -> Dict[str, float]:
     return out
 
 
-def pct(values: List[float], q: float) -> float:
-    """Percentile with linear interpolation (q in 0..100)."""
-    data = sorted(values)
-    if len(data) == 1:
-        return data[0]
-    pos = (len(data) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
 # ----------------------------------------------------------------------------- rank side
 
 
@@ -138,16 +125,6 @@ class Config:
         self.optimizer = None
         self.session = None
         self.rounds: List[dict] = []
-
-
-def gather(values: List[float], world: int) -> List[List[float]]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return [o.tolist() for o in out]
 
 
 def rank_main(rank: int, world: int, opts: dict) -> dict:
@@ -316,68 +293,6 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     return out
 
 
-def _child(rank: int, world: int, opts: dict, init_file: str, result_path: str) -> None:
-    global _T0
-    _T0 = opts["t0"]
-    code = 0
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts["timeout"]))
-        payload = {"ok": True, "result": rank_main(rank, world, opts)}
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        payload = {"ok": False, "error": traceback.format_exc()}
-        code = 1
-    try:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(payload, f)
-        os.replace(result_path + ".tmp", result_path)
-    finally:
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(code)  # skip interpreter teardown: gloo threads can abort a normal exit
-
-
-def run_ranks(world: int, opts: dict, work: str) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    init_file = os.path.join(work, "store")
-    procs = []
-    for rank in range(world):
-        p = ctx.Process(target=_child, args=(rank, world, opts, init_file, os.path.join(work, f"result{rank}.json")),
-                        daemon=True)
-        p.start()
-        procs.append(p)
-    deadline = time.monotonic() + opts["timeout"]
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
-    results, errors = [], []
-    for rank, p in enumerate(procs):
-        path = os.path.join(work, f"result{rank}.json")
-        if not os.path.exists(path):
-            errors.append(f"rank {rank}: no result (exit code {p.exitcode})")
-            continue
-        with open(path) as f:
-            payload = json.load(f)
-        if not payload["ok"]:
-            errors.append(f"rank {rank} raised:\n{payload['error']}")
-        results.append(payload.get("result"))
-    if hung:
-        errors.insert(0, f"ranks {hung} did not finish within {opts['timeout']}s (killed)")
-    if errors:
-        raise RuntimeError("healthy-path benchmark failed:\n" + "\n".join(errors))
-    return results
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -436,15 +351,6 @@ def build_rows(summaries: List[dict], interval: int) -> List[dict]:
     return rows
 
 
-def format_table(rows: List[dict]) -> str:
-    cols = list(rows[0].keys())
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    line = lambda vals: " | ".join(str(v).ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    out = [line(cols), "-+-".join("-" * w for w in widths)]
-    out += [line([r[c] for c in cols]) for r in rows]
-    return "\n".join(out)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -470,18 +376,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if min(args.layers, args.width, args.interval, args.rounds, args.steps) < 1 or args.batch < 0:
         p.error("--layers, --width, --interval, --rounds and --steps must be positive, --batch >= 0")
 
-    os.environ["OMP_NUM_THREADS"] = "1"
     work = tempfile.mkdtemp(prefix="healthy-bench-", dir=args.tmp)
     opts = {"layers": args.layers, "width": args.width, "batch": args.batch, "step_ms": args.step_ms,
             "max_batch": max(8, args.max_batch),
             "interval": args.interval, "rounds": args.rounds, "steps": args.steps,
             "disk_flush_interval": args.disk_flush_interval, "host_memory": args.host_memory,
-            "timeout": args.timeout, "work_dir": work, "token": uuid.uuid4().hex[:8], "t0": _T0}
+            "timeout": args.timeout, "work_dir": work, "token": uuid.uuid4().hex[:8]}
     load_start = list(os.getloadavg())
     log(f"{args.ranks} ranks, MLP {args.layers} x Linear({args.width}, {args.width}), {args.rounds} rounds x "
         f"{args.steps} steps, working in {work} (load average {load_start[0]:.2f})")
     try:
-        results = run_ranks(args.ranks, opts, work)
+        results = run_ranks(rank_main, args.ranks, opts, work, name="healthy-path benchmark")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load_end = list(os.getloadavg())

@@ -1,6 +1,6 @@
 """SCOUT replay overhead on DDP training: cost per check and amortized overhead at interval 10.
 
-    python -m benchmarks.scout_bench [--ranks 4] [--rounds 6] [--steps 20] [--out benchmarks/results/scout.json]
+    python -m benchmarks.scout_bench [--ranks 4] [--rounds 4] [--steps 50] [--out benchmarks/results/scout.json]
 
 `--ranks` real processes joined by gloo (TCPStore, as under torchrun) train a small language
 model (an `nn.Embedding`, `--blocks` residual MLP blocks in an `nn.ModuleList`, a vocabulary
@@ -15,27 +15,26 @@ Measured in the benchmark processes by wrapping class attributes (library files 
 modified): training-thread time inside the session's `_before_forward` (arms the capture
 hook), `_before_optimizer_step` (replay, vote, straggler timing, collective probe) and
 `_after_optimizer_step` (progress beacon), the capture hook's input clone during the forward,
-and a breakdown of each check (replay per check class, optimizer check, signatures, collective
-probe). A distributed number is the slowest rank's. See benchmarks/README.md.
+and a breakdown of each check (replay per check class, optimizer check, signatures, the
+replay's JSON all-gathers and broadcasts, the collective probe, which runs every
+`ReplayHarnessConfig.probe_interval` steps). A distributed number is the slowest rank's. See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import signal
-import socket
 import statistics
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-_T0 = time.monotonic()
+from benchmarks._ranks import format_table, gather, pct, run_ranks
+from benchmarks._ranks import log as _log
+
 TARGET_PCT = 2.0            # amortized SCOUT overhead at interval 10, % of the baseline p50 step
 MAIN_INTERVAL = 10
 
@@ -43,28 +42,31 @@ MAIN_INTERVAL = 10
 # rank process, so one accumulator per name suffices).
 _HOOKS = ("_before_forward", "_before_optimizer_step", "_after_optimizer_step")
 _PARTS = ("capture", "run", "probe", "signatures", "replay_embedding", "replay_hidden", "replay_output",
-          "optimizer_check")
+          "optimizer_check", "json_gather", "broadcast")
 _ACC: Dict[str, float] = {name: 0.0 for name in _HOOKS + _PARTS}
 FIELDS = ("step",) + _HOOKS + _PARTS
+_IN_PROBE = [False]  # the probe's own JSON gather belongs to the probe, not to the replay
 
 
 def log(msg: str) -> None:
-    print(f"[scout-bench +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    _log("scout-bench", msg)
 
 
-def _timed(original: Callable, key: Callable[..., str]) -> Callable:
+def _timed(original: Callable, key: Callable[..., Optional[str]]) -> Callable:
     def wrapper(*args, **kwargs):
+        name = key(*args, **kwargs)
         t0 = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            _ACC[key(*args, **kwargs)] += time.perf_counter() - t0
+            if name is not None:
+                _ACC[name] += time.perf_counter() - t0
 
     wrapper._scout_bench = True  # type: ignore[attr-defined]
     return wrapper
 
 
-def _wrap(owner: Any, name: str, key: Callable[..., str]) -> None:
+def _wrap(owner: Any, name: str, key: Callable[..., Optional[str]]) -> None:
     original = getattr(owner, name)
     if not getattr(original, "_scout_bench", False):
         setattr(owner, name, _timed(original, key))
@@ -73,6 +75,9 @@ def _wrap(owner: Any, name: str, key: Callable[..., str]) -> None:
 def install_timers() -> None:
     """Wrap session hooks and SCOUT internals (class attributes and module globals are looked up
     at call time, so objects built before or after this see the wrappers)."""
+    import torch.distributed as dist
+
+    from lm_resiliency import wire
     from lm_resiliency.scout import probes, replay
     from lm_resiliency.session import ResiliencySession
 
@@ -82,7 +87,19 @@ def install_timers() -> None:
     _wrap(replay.ReplayDetector, "run", lambda *a, **k: "run")
     _wrap(replay.ReplayDetector, "_optimizer_check", lambda *a, **k: "optimizer_check")
     _wrap(replay.ReplayDetector, "_replay_one", lambda self, check, *a, **k: f"replay_{check}")
-    _wrap(probes.CollectiveProbe, "measure", lambda *a, **k: "probe")
+    measure = probes.CollectiveProbe.measure
+    if not getattr(measure, "_scout_bench", False):
+        def probe_measure(*args, **kwargs):
+            _IN_PROBE[0] = True
+            try:
+                return measure(*args, **kwargs)
+            finally:
+                _IN_PROBE[0] = False
+
+        probes.CollectiveProbe.measure = probe_measure
+        _wrap(probes.CollectiveProbe, "measure", lambda *a, **k: "probe")
+    _wrap(wire, "all_gather_json", lambda *a, **k: None if _IN_PROBE[0] else "json_gather")
+    _wrap(dist, "broadcast", lambda *a, **k: "broadcast")
     # replay.py calls these through its own module globals; signature.py's internal calls are not
     # wrapped, so nothing is counted twice.
     _wrap(replay, "structure_signature", lambda *a, **k: "signatures")
@@ -94,16 +111,6 @@ def take() -> Dict[str, float]:
     for name in _ACC:
         _ACC[name] = 0.0
     return out
-
-
-def pct(values: List[float], q: float) -> float:
-    data = sorted(values)
-    if len(data) == 1:
-        return data[0]
-    pos = (len(data) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def mean(values: List[float]) -> Optional[float]:
@@ -124,16 +131,6 @@ class Config:
         self.rounds: List[dict] = []
         self.faults: List[dict] = []
         self.oob: List[dict] = []
-
-
-def gather(values: List[float], world: int) -> List[List[float]]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return [o.tolist() for o in out]
 
 
 def rank_main(rank: int, world: int, opts: dict) -> dict:
@@ -301,77 +298,12 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                                   "hidden": [p for p, _ in detector.catalog.hidden],
                                   "output": detector.catalog.output[0]},
                          probe=cfg.session.scout._probe is not None,
+                         probe_interval=cfg.session.scout.config.probe_interval,
                          group_ranks=list(detector.group_ranks))
             cfg.session.close()
         out["configs"].append(entry)
     dist.barrier()
     return out
-
-
-def _child(rank: int, world: int, opts: dict, result_path: str) -> None:
-    global _T0
-    _T0 = opts["t0"]
-    code = 0
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{opts['port']}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts["timeout"]))
-        payload = {"ok": True, "result": rank_main(rank, world, opts)}
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        payload = {"ok": False, "error": traceback.format_exc()}
-        code = 1
-    try:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(payload, f)
-        os.replace(result_path + ".tmp", result_path)
-    finally:
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(code)  # skip interpreter teardown: gloo threads can abort a normal exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world: int, opts: dict, work: str) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(world):
-        p = ctx.Process(target=_child, args=(rank, world, opts, os.path.join(work, f"result{rank}.json")), daemon=True)
-        p.start()
-        procs.append(p)
-    deadline = time.monotonic() + opts["timeout"]
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
-    results, errors = [], []
-    for rank, p in enumerate(procs):
-        path = os.path.join(work, f"result{rank}.json")
-        if not os.path.exists(path):
-            errors.append(f"rank {rank}: no result (exit code {p.exitcode})")
-            continue
-        with open(path) as f:
-            payload = json.load(f)
-        if not payload["ok"]:
-            errors.append(f"rank {rank} raised:\n{payload['error']}")
-        results.append(payload.get("result"))
-    if hung:
-        errors.insert(0, f"ranks {hung} did not finish within {opts['timeout']}s (killed)")
-    if errors:
-        raise RuntimeError("SCOUT benchmark failed:\n" + "\n".join(errors))
-    return results
 
 
 # ----------------------------------------------------------------------------- report
@@ -389,6 +321,8 @@ def summarize(entry: dict) -> dict:
     scout = [sum(flat[h][i] for h in _HOOKS) + flat["capture"][i] for i in range(steps)]
     on = [i for i in range(steps) if checks[i]]
     off = [i for i in range(steps) if not checks[i]]
+    probed = [i for i in on if flat["probe"][i] > 0]
+    unprobed = [i for i in on if flat["probe"][i] == 0]
 
     def at(field: str, idx: List[int]) -> List[float]:
         return [flat[field][i] for i in idx]
@@ -401,6 +335,7 @@ def summarize(entry: dict) -> dict:
         "step_mean_s": statistics.mean(flat["step"]),
         "check_step_mean_s": mean(at("step", on)), "other_step_mean_s": mean(at("step", off)),
         "scout_mean_per_step_s": statistics.mean(scout),
+        "probes": len(probed), "probe_interval": entry.get("probe_interval"),
     }
     if entry["interval"] is not None and on:
         bos = at("_before_optimizer_step", on)
@@ -412,6 +347,12 @@ def summarize(entry: dict) -> dict:
             "capture_clone_mean_s": statistics.mean(at("capture", on)),
             "rank_mean": {p: statistics.mean([avg[p][i] for i in on])
                           for p in ("_before_optimizer_step",) + _PARTS if p != "capture"},
+            # Checks without the probe (most of them) and the probe's own cost where it ran.
+            "without_probe_mean_s": mean(at("_before_optimizer_step", unprobed)),
+            "without_probe_rank_mean": {p: mean([avg[p][i] for i in unprobed])
+                                        for p in ("_before_optimizer_step",) + _PARTS if p != "capture"},
+            "probe_mean_s": mean(at("probe", probed)),
+            "probe_rank_mean_s": mean([avg["probe"][i] for i in probed]),
         }
         s["per_step_without_check"] = {h: mean(at(h, off)) for h in _HOOKS}
     return s
@@ -436,10 +377,11 @@ def build_rows(summaries: List[dict]) -> List[dict]:
             "config": s["name"],
             "p50 step": f"{s['step_p50_s'] * 1e3:.1f} ms",
             "p95 step": f"{s['step_p95_s'] * 1e3:.1f} ms",
-            "checks": "-" if is_base else str(s["checks"]),
+            "checks/probes": "-" if is_base else f"{s['checks']}/{s['probes']}",
             "per check p50/p95 (% of step)": "-" if not pc else
             f"{pc['before_optimizer_step_p50_s'] * 1e3:.1f}/{pc['before_optimizer_step_p95_s'] * 1e3:.1f} ms "
             f"({pc['before_optimizer_step_p50_s'] / p50 * 100:.0f}%)",
+            "probe": "-" if not pc or pc["probe_mean_s"] is None else f"{pc['probe_mean_s'] * 1e3:.1f} ms",
             "arm+capture": "-" if not pc else
             f"{pc['before_forward_arm_mean_s'] * 1e3:.2f}+{pc['capture_clone_mean_s'] * 1e3:.2f} ms",
             "amortized": "-" if is_base else f"{amortized:.2f}%",
@@ -450,11 +392,33 @@ def build_rows(summaries: List[dict]) -> List[dict]:
     return rows
 
 
-def format_table(rows: List[dict]) -> str:
-    cols = list(rows[0].keys())
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    line = lambda vals: " | ".join(str(v).ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), "-+-".join("-" * w for w in widths)] + [line([r[c] for c in cols]) for r in rows])
+def breakdown(s: dict) -> str:
+    """Where one check's time goes (mean over ranks, checks without the probe), and the probe."""
+    pc = s["per_check"]
+    b = pc["without_probe_rank_mean"]
+    lines = [f"{s['name']}: one check (mean over ranks, {s['checks'] - s['probes']} checks without the probe): "
+             f"{pc['without_probe_mean_s'] * 1e3:.1f} ms slowest rank"]
+    if b["_before_optimizer_step"] is not None:
+        replays = b["replay_embedding"] + b["replay_hidden"] + b["replay_output"] + b["optimizer_check"]
+        parts = [("replay forwards + shadow optimizer step", replays - b["signatures"]),
+                 ("signatures", b["signatures"]), ("JSON all-gathers (plan, signatures)", b["json_gather"]),
+                 ("input broadcasts", b["broadcast"]),
+                 ("rest (encode/decode, vote, straggler statistics)", b["_before_optimizer_step"] - replays
+                  - b["json_gather"] - b["broadcast"])]
+        lines.append(f"  {b['_before_optimizer_step'] * 1e3:.1f} ms = " + " + ".join(
+            f"{name} {value * 1e3:.1f}" for name, value in parts))
+        lines.append(f"  replay+signatures per class: embedding {b['replay_embedding'] * 1e3:.1f}, hidden "
+                     f"{b['replay_hidden'] * 1e3:.1f}, output {b['replay_output'] * 1e3:.1f}, optimizer "
+                     f"{b['optimizer_check'] * 1e3:.1f} ms")
+    if pc["probe_mean_s"] is not None:
+        lines.append(f"  collective probe: {pc['probe_rank_mean_s'] * 1e3:.1f} ms mean over ranks at the {s['probes']} "
+                     f"checks where it ran (every {s['probe_interval']} steps)")
+    off = s["per_step_without_check"]
+    lines.append(f"  steps without a check: _before_forward {off['_before_forward'] * 1e6:.0f} us, "
+                 f"_before_optimizer_step {off['_before_optimizer_step'] * 1e6:.0f} us, _after_optimizer_step "
+                 f"{off['_after_optimizer_step'] * 1e6:.0f} us; mean step {s['check_step_mean_s'] * 1e3:.1f} ms with a "
+                 f"check vs {s['other_step_mean_s'] * 1e3:.1f} ms without")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -468,8 +432,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: calibrate to --step-ms)")
     p.add_argument("--step-ms", type=float, default=150.0, help="baseline step time the batch is sized for")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch the calibration may pick")
-    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds")
-    p.add_argument("--steps", type=int, default=20,
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=50,
                    help=f"training steps per configuration per round (a multiple of {MAIN_INTERVAL})")
     p.add_argument("--no-interval-1", dest="interval_1", action="store_false",
                    help="skip the SCOUT interval 1 configuration")
@@ -485,22 +449,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps % MAIN_INTERVAL:
         p.error(f"--steps must be a multiple of {MAIN_INTERVAL} so every round holds the same number of checks")
 
+    import shutil
     import tempfile
 
-    os.environ["OMP_NUM_THREADS"] = "1"
     work = tempfile.mkdtemp(prefix="scout-bench-")
     opts = {k: getattr(args, k) for k in ("vocab", "dim", "blocks", "seq", "batch", "step_ms", "max_batch", "rounds",
                                           "steps", "interval_1", "timeout")}
-    opts.update(port=free_port(), t0=_T0)
     load_start = list(os.getloadavg())
     log(f"{args.ranks} ranks, TinyLM vocab {args.vocab} dim {args.dim} x {args.blocks} blocks, {args.rounds} rounds "
         f"x {args.steps} steps per configuration (load average {load_start[0]:.2f})")
     try:
-        results = run_ranks(args.ranks, opts, work)
+        results = run_ranks(rank_main, args.ranks, opts, work, name="SCOUT benchmark", tcp=True)
     finally:
-        for name in os.listdir(work):
-            os.unlink(os.path.join(work, name))
-        os.rmdir(work)
+        shutil.rmtree(work, ignore_errors=True)
     load_end = list(os.getloadavg())
     r0 = results[0]
     summaries = [summarize(e) for e in r0["configs"]]
@@ -550,24 +511,10 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"rank per step); baseline round-to-round throughput spread {noise:.1f}%")
     print(format_table(rows))
     if main_cfg and main_cfg.get("per_check"):
-        pc = main_cfg["per_check"]
-        b = pc["rank_mean"]
-        agree = b["run"] - b["replay_embedding"] - b["replay_hidden"] - b["replay_output"] - b["optimizer_check"]
-        print(f"{main_cfg['name']}: per check, mean over checks (slowest rank) of _before_optimizer_step "
-              f"{pc['before_optimizer_step_mean_s'] * 1e3:.1f} ms; mean over ranks "
-              f"{b['_before_optimizer_step'] * 1e3:.1f} ms = replay+vote {b['run'] * 1e3:.1f} ms (embedding "
-              f"{b['replay_embedding'] * 1e3:.1f}, hidden "
-              f"{b['replay_hidden'] * 1e3:.1f}, output {b['replay_output'] * 1e3:.1f}, optimizer "
-              f"{b['optimizer_check'] * 1e3:.1f}, plan/broadcast/signature exchange {agree * 1e3:.1f}; signatures "
-              f"inside these {b['signatures'] * 1e3:.1f}) + collective probe {b['probe'] * 1e3:.1f} ms + rest "
-              f"{(b['_before_optimizer_step'] - b['run'] - b['probe']) * 1e3:.1f} ms")
-        off = main_cfg["per_step_without_check"]
-        print(f"  steps without a check: _before_forward {off['_before_forward'] * 1e6:.0f} us, "
-              f"_before_optimizer_step {off['_before_optimizer_step'] * 1e6:.0f} us, _after_optimizer_step "
-              f"{off['_after_optimizer_step'] * 1e6:.0f} us; mean step {main_cfg['check_step_mean_s'] * 1e3:.1f} ms "
-              f"with a check vs {main_cfg['other_step_mean_s'] * 1e3:.1f} ms without")
+        print(breakdown(main_cfg))
     print(f"unhealthy replay results (false alarms on healthy hardware): {false_alarms}; OOB reports: {oob}")
-    print("per check = slowest rank's time inside the session's _before_optimizer_step at a step with a check; "
+    print("per check = slowest rank's time inside the session's _before_optimizer_step at a step with a check "
+          "(probe included where it ran); probe = the collective probe where it ran (every probe_interval steps); "
           "arm+capture = _before_forward at that step + the capture hook's input clone in the forward; "
           "amortized = mean SCOUT training-thread time per step (all hooks + capture) / baseline p50 step, "
           f"target < {TARGET_PCT:g}% at interval {MAIN_INTERVAL}; throughput loss = 1 - steps/s / baseline steps/s "
