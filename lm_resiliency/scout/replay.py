@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from torch import nn
 
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.peers import CLEAN, vote
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
@@ -108,17 +109,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _clone_inputs(value: Any, by_value: bool) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` (nested tuples, lists and dicts) with `fn` applied to every tensor."""
     if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.clone() if by_value else value
+        return fn(value)
     if isinstance(value, tuple):
-        return tuple(_clone_inputs(v, by_value) for v in value)
+        return tuple(_map_tensors(v, fn) for v in value)
     if isinstance(value, list):
-        return [_clone_inputs(v, by_value) for v in value]
+        return [_map_tensors(v, fn) for v in value]
     if isinstance(value, dict):
-        return {k: _clone_inputs(v, by_value) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+def _clone_inputs(value: Any, by_value: bool) -> Any:
+    return _map_tensors(value, lambda t: t.detach().clone() if by_value else t.detach())
 
 
 def _tensors_in(value: Any) -> List[torch.Tensor]:
@@ -136,15 +141,7 @@ def _tensors_in(value: Any) -> List[torch.Tensor]:
 
 def _to_device(value: Any, device: torch.device) -> Any:
     """A private copy of every tensor on `device` (the replay may modify its inputs in place)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, copy=True)
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t.to(device, copy=True))
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -182,7 +179,8 @@ class _SeededRng:
 
 
 class _Capture:
-    """Forward pre-hook that stores one invocation's inputs, then removes itself."""
+    """Forward pre-hook that stores one invocation's inputs, then removes itself; for a dense
+    module also that call's output gradient from the real backward (`OutputGradCapture`)."""
 
     def __init__(self, detector: "ReplayDetector", path: str, module: nn.Module, step: int) -> None:
         self.path, self.step = path, step
@@ -192,6 +190,7 @@ class _Capture:
         self.done = False
         self._detector = detector
         self._handle = module.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        self.output_grads = OutputGradCapture(module, _tensors_in) if path in detector._backward else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.done or self._detector._replaying:
@@ -201,13 +200,18 @@ class _Capture:
         self.autocast = [[dev, str(torch.get_autocast_dtype(dev)).removeprefix("torch.")]
                          for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)]
         self.done = True
-        self.remove()
+        self._remove_pre_hook()  # the output-gradient hook stays until this call's output is seen
         return None
 
-    def remove(self) -> None:
+    def _remove_pre_hook(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def remove(self) -> None:
+        self._remove_pre_hook()
+        if self.output_grads is not None:
+            self.output_grads.remove()
 
 
 class ReplayDetector:
@@ -252,9 +256,13 @@ class ReplayDetector:
         self.catalog = ModuleCatalog.of(self._root)
         # FSDP modules to unshard around each sampled module's replay (none for dense and TP-only models).
         self._fsdp: Dict[str, List[nn.Module]] = {}
+        # Dense modules also get a backward replay (their output gradient is captured on the source).
+        self._backward: set = set()
         for check in ACTIVATION_CHECKS:
-            for path, _ in self._candidates(check):
+            for path, module in self._candidates(check):
                 self._fsdp[path] = self._fsdp_owners(path, check)
+                if not self._fsdp[path] and not any(_is_dtensor(p) for p in module.parameters()):
+                    self._backward.add(path)
         self._names = {id(p): name for name, p in self._root.named_parameters()}
         self._captures: Dict[str, _Capture] = {}
         self._armed_step: Optional[int] = None
@@ -401,8 +409,11 @@ class ReplayDetector:
         if not capture.done:
             header["reason"] = f"{path!r} was not called between arm({step}) and run({step}) on rank {self._rank}"
             return header, []
+        invocation = {"args": capture.args, "kwargs": capture.kwargs}
+        if capture.output_grads is not None and capture.output_grads.captured:
+            invocation["grad_outputs"] = capture.output_grads.grads
         try:
-            encoded = encode_state({"args": capture.args, "kwargs": capture.kwargs})
+            encoded = encode_state(invocation)
             layout = Layout.for_tensors(encoded.tensors)
         except StateEncodingError as exc:
             header["reason"] = f"inputs of {path!r} cannot be shared without pickle: {exc}"
@@ -474,18 +485,27 @@ class ReplayDetector:
             entry["input"] = structure_signature(leaves)
             # Every peer, the source included, replays the same received bytes.
             invocation = decode_state(header["structure"], list(leaves))
-            if not isinstance(invocation, dict) or set(invocation) != {"args", "kwargs"} \
-                    or not isinstance(invocation["args"], (tuple, list)) or not isinstance(invocation["kwargs"], dict):
-                raise StateSchemaError("the shared invocation must be {'args': tuple, 'kwargs': dict}")
+            if not isinstance(invocation, dict) or not {"args", "kwargs"} <= set(invocation) <= \
+                    {"args", "kwargs", "grad_outputs"} or not isinstance(invocation["args"], (tuple, list)) \
+                    or not isinstance(invocation["kwargs"], dict) \
+                    or not isinstance(invocation.get("grad_outputs", []), (tuple, list)):
+                raise StateSchemaError("the shared invocation must be {'args': tuple, 'kwargs': dict[, "
+                                       "'grad_outputs': list]}")
         except (StateSchemaError, KeyError) as exc:
             # The header is identical on every peer, so every peer raises here together.
             raise ReplayError(f"step {step} {check} check on {path!r}: malformed shared invocation: {exc}") from exc
+        # The source shared an output gradient: the same forward, with grad, then a backward.
+        backward = "grad_outputs" in invocation and path in self._backward
         try:
             args, kwargs = _to_device(invocation["args"], device), _to_device(invocation["kwargs"], device)
+            leaves: List[torch.Tensor] = []
             saved = [(b, b.detach().clone()) for b in module.buffers()]
             self._replaying = True
             try:
-                with torch.no_grad(), _SeededRng(self.config.seed + step, device), _autocast(header.get("autocast")):
+                with torch.set_grad_enabled(backward), _SeededRng(self.config.seed + step, device), \
+                        _autocast(header.get("autocast")):
+                    if backward:
+                        args, kwargs = _map_tensors((args, kwargs), lambda t: grad_leaf(t, leaves))
                     _sync(device)
                     begin = time.perf_counter()
                     out = module(*args, **kwargs)
@@ -500,6 +520,19 @@ class ReplayDetector:
         except Exception as exc:  # noqa: BLE001 - a failing replay is evidence, decided by the vote
             logger.warning("SCOUT replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            backward = False
+        if backward:
+            self._replay_backward(check, path, module, out, invocation["grad_outputs"], leaves, entry)
+
+    def _replay_backward(self, check: str, path: str, module: nn.Module, out: Any, grad_outputs: list,
+                         leaves: List[torch.Tensor], entry: Dict[str, Any]) -> None:
+        try:
+            grads = replay_gradients(_tensors_in(out), _to_device(list(grad_outputs), _module_device(module)),
+                                     leaves, list(module.parameters()))
+            entry["backward"] = structure_signature(grads)
+        except Exception as exc:  # noqa: BLE001 - a failing backward replay is evidence, decided by the vote
+            logger.warning("SCOUT backward replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
+            entry["backward"] = ERROR_SIGNATURE
 
     def _optimizer_target(self, step: int) -> Tuple[str, torch.Tensor, int, int, int]:
         """(slice label, parameter, param-group index, slice start, slice width) checked at `step`.
@@ -675,8 +708,16 @@ class ReplayDetector:
             if len(set(inputs.values())) > 1:
                 outcomes.append(outcome("input", path, inputs, {}))
             timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
-            outcomes.append(outcome(check, path, signatures_of(entries, "out", f"{check} replay of {path!r}"),
-                                    timings))
+            forward = outcome(check, path, signatures_of(entries, "out", f"{check} replay of {path!r}"), timings)
+            outcomes.append(forward)
+            backward = {r: str(e.get("backward") or ERROR_SIGNATURE) for r, e in entries.items()}
+            # Backward gradients are comparable only where the recomputed forwards agreed; a forward
+            # fault already names its rank and would differ in the backward as well.
+            if forward.verdict == CLEAN and any(e.get("backward") for e in entries.values()):
+                if set(backward.values()) == {ERROR_SIGNATURE}:
+                    logger.warning("SCOUT backward replay of %s at step %d failed on every peer", path, step)
+                else:
+                    outcomes.append(outcome("backward", path, backward, {}))
         if by_rank[ranks[0]].get("optimizer") is not None:
             entries = {r: by_rank[r]["optimizer"] for r in ranks}
             first = entries[ranks[0]]

@@ -84,6 +84,16 @@ def tiny_perturbation(module, args, kwargs, output):
 FAULTS = {"sign_flip": sign_flip, "bit_flip": bit_flip, "tiny_perturbation": tiny_perturbation}
 
 
+def backward_sign_flip(module, grad_input, grad_output):
+    """A faulty backward only: one element of the module's input gradient changes sign."""
+    grad = grad_input[0].clone()
+    grad.view(-1)[_target_index(grad)] *= -1
+    return (grad, *grad_input[1:])
+
+
+BACKWARD_FAULTS = {"backward_sign_flip": backward_sign_flip}
+
+
 # -- training loop ------------------------------------------------------------------------------
 
 def _average_gradients(model: nn.Module, group=None) -> None:
@@ -107,7 +117,8 @@ def train(rank, world, config, steps, *, fault=None, fault_rank=None, fault_path
           param_fault=None, group=None, group_ranks=None, ddp=False, invariants=False):
     """Train `steps` steps with a ReplayDetector; returns {step: ReplayResult} for checked steps.
 
-    fault: name in FAULTS, applied as a forward hook on `fault_path` of rank `fault_rank` from
+    fault: name in FAULTS (a forward hook) or BACKWARD_FAULTS (a full backward hook), applied on
+    `fault_path` of rank `fault_rank` from
     `fault_from_step` on ("@hidden:<step>" names the hidden layer SCOUT samples at that step).
     param_fault: (rank, param name or "@optimizer:<step>", after_step): add 1e-3 to one element
     after that step's optimizer.step().
@@ -124,7 +135,9 @@ def train(rank, world, config, steps, *, fault=None, fault_rank=None, fault_path
     handle = None
     for step in range(1, steps + 1):
         if fault is not None and rank == fault_rank and step == fault_from_step:
-            handle = _module(model, fault_path).register_forward_hook(FAULTS[fault], with_kwargs=True)
+            target = _module(model, fault_path)
+            handle = target.register_full_backward_hook(BACKWARD_FAULTS[fault]) if fault in BACKWARD_FAULTS \
+                else target.register_forward_hook(FAULTS[fault], with_kwargs=True)
         detector.arm(step)
         loss = trained(_batch(rank, step)).pow(2).mean()
         loss.backward()
@@ -197,6 +210,14 @@ def ddp_fault(rank, world, fault_rank):
     config = ReplayHarnessConfig(check_interval=2)
     results = train(rank, world, config, 4, fault="sign_flip", fault_rank=fault_rank, fault_from_step=3,
                     fault_path="@hidden:4", ddp=True, invariants=True)
+    return {step: (r, replay_fault_reports(r)) for step, r in results.items()}
+
+
+def backward_fault(rank, world, fault_rank, ddp):
+    """A fault in one rank's backward only, from step 3: the step-4 backward replay finds it."""
+    config = ReplayHarnessConfig(check_interval=2)
+    results = train(rank, world, config, 4, fault="backward_sign_flip", fault_rank=fault_rank, fault_from_step=3,
+                    fault_path="@hidden:4", ddp=ddp, invariants=True)
     return {step: (r, replay_fault_reports(r)) for step, r in results.items()}
 
 

@@ -79,7 +79,8 @@ def test_thirty_clean_checks_produce_no_reports():
         assert sorted(per_step) == list(range(1, 31))
         for step, (result, reports) in per_step.items():
             assert reports == [] and result.healthy, (step, result)
-            assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters"}
+            assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters",
+                                                        "backward"}
 
 
 def test_ddp_wrapped_model_clean_and_localized():
@@ -88,6 +89,23 @@ def test_ddp_wrapped_model_clean_and_localized():
         assert sorted(per_step) == [2, 4]
         assert per_step[2][1] == [] and per_step[2][0].healthy
         assert [(r.kind, r.ranks, r.resource) for r in per_step[4][1]] == [(SDC, (2,), "hidden:layers.1")]
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_backward_only_fault_localized_by_backward_replay(ddp):
+    outs = run_ranks(w.backward_fault, 4, 1, ddp, timeout=40)
+    for per_step in outs:
+        result, reports = per_step[2]
+        assert reports == [] and result.healthy
+        # Every dense activation check also replays its backward on the source's output gradient.
+        assert [c.module_path for c in _by_check(result, "backward")] == ["emb", "layers.0", "head"]
+        result, reports = per_step[4]
+        backward = [c for c in _by_check(result, "backward") if c.verdict != "clean"]
+        hidden = _by_check(result, "hidden")[0]
+        assert [(c.module_path, c.verdict, c.faulty) for c in backward] == [(hidden.module_path, "sdc", (1,))]
+        assert hidden.verdict == "clean"  # the forward is healthy; only the backward is corrupted
+        assert [(r.kind, r.scope, r.ranks, r.resource) for r in reports] == \
+            [(SDC, SCOPE_RANK, (1,), f"backward:{hidden.module_path}")]
 
 
 def test_two_peers_disagreeing_blame_the_pair_not_a_rank():
