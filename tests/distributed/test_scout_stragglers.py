@@ -105,7 +105,6 @@ def _assert_same_on_every_rank(results):
 
 
 def test_compute_straggler_confirmed_on_every_rank():
-    start = time.monotonic()
     # rank 2 is healthy for two rounds, then 3x slower for three
     results = run_ranks(_compute_rank, WORLD, 2, 5, 2, timeout=60)
     _assert_same_on_every_rank(results)
@@ -123,11 +122,9 @@ def test_compute_straggler_confirmed_on_every_rank():
     assert evidence["slowdown"] > 2
     # rank 2 was seen healthy first: its own baseline is recorded next to the slow time
     assert evidence["baseline_rounds"] >= 1 and evidence["current_s"] > 1.5 * evidence["baseline_s"]
-    assert time.monotonic() - start < 40
 
 
 def test_communication_straggler_localized_by_cross_pg_intersection():
-    start = time.monotonic()
     results = run_ranks(_comm_rank, WORLD, 1, 3, timeout=60)
     _assert_same_on_every_rank(results)
     history = results[0]
@@ -142,7 +139,6 @@ def test_communication_straggler_localized_by_cross_pg_intersection():
     assert sorted(g["ranks"] for g in evidence["supporting_groups"]) == [[0, 1], [1, 2], [1, 3]]
     assert evidence["contradicting_groups"] == []
     assert 0 < report["confidence"] <= 1
-    assert time.monotonic() - start < 40
 
 
 def _healthy_rank(rank, world, rounds):
@@ -150,14 +146,12 @@ def _healthy_rank(rank, world, rounds):
 
 
 def test_healthy_run_confirms_nothing():
-    start = time.monotonic()
     results = run_ranks(_healthy_rank, WORLD, 5, timeout=60)
     _assert_same_on_every_rank(results)
     for kind in ("compute", "comm"):
         for record in results[0][kind]:
             assert record["reports"] == [], (kind, record)
             assert not any(confirmed for _, confirmed, *_ in record["findings"]), (kind, record)
-    assert time.monotonic() - start < 40
 
 
 def _session_comm_rank(rank, world, slow_rank, steps, probe_interval):
