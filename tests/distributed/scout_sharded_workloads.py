@@ -1,9 +1,10 @@
 """Rank functions for SCOUT on FSDP2, HSDP and DP x TP models (module-level for child ranks).
 
 Every run trains `scout_workloads.TinyLM` (Embedding -> 3 Blocks with dropout -> Linear) through
-`enable_resiliency`, with embedding, blocks, head and the root `fully_shard`-ed (FSDP2 on a 1-D mesh, HSDP on
-a 2x2 mesh) or with `parallelize_module` tensor parallelism over the 'tp' dimension of a
-('dp', 'tp') mesh. A fault is a test-side forward hook on ONE rank's sampled hidden layer.
+`enable_resiliency`, with embedding, blocks, head and the root `fully_shard`-ed (FSDP2 on a 1-D
+mesh; HSDP on a 2x2 mesh, with each block's Linear sharded on its own as well), or with
+`parallelize_module` tensor parallelism over the 'tp' dimension of a ('dp', 'tp') mesh. A fault
+is a test-side forward hook on ONE rank's sampled hidden layer.
 Each run is repeated without SCOUT in the same processes: the two must train bitwise alike.
 """
 
@@ -44,6 +45,9 @@ def _build(kind: str) -> nn.Module:
         init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     # Every parameter in a child FSDP module: GEMINI reads state_dict() in the model's forward pre-hook,
     # after FSDP's root pre-forward, and that read reshards the root's own parameters.
+    if kind == "hsdp":  # nested: a block's replay also unshards the FSDP module below it
+        for block in model.layers:
+            fully_shard(block.lin, mesh=mesh)
     for child in (model.emb, *model.layers, model.head):
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
