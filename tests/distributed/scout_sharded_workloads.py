@@ -155,6 +155,25 @@ def _train_once(rank: int, kind: str, steps: int, folder: Optional[str], fault_r
     return out
 
 
+def faulty_shadow_step(rank: int, world: int, kind: str, folder: str, fault_rank: int) -> Dict[str, Any]:
+    """One rank's device corrupts optimizer updates, seen only in SCOUT's shadow step (a
+    global optimizer post-step hook that skips the live optimizer): the optimizer check, which
+    every peer runs on the source's shard slice, must name that rank."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def corrupt(optimizer, args, kwargs):
+        if len(optimizer.param_groups[0]["params"]) == 1:  # the shadow optimizer holds one slice
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].view(-1)[0] += 1e-3
+
+    handle = register_optimizer_step_post_hook(corrupt) if rank == fault_rank else None
+    try:
+        return _train_once(rank, kind, 2, folder, None, 0)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def sharded_run(rank: int, world: int, kind: str, folder: str, steps: int, fault_rank: Optional[int] = None,
                 fault_step: int = 0) -> Dict[str, Any]:
     """Train with SCOUT (checks every 2 steps), then the same run without it; report both."""

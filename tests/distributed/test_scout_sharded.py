@@ -49,6 +49,27 @@ def test_ten_clean_checks_report_nothing_and_training_is_bitwise_unchanged(tmp_p
         assert out["certified"] and max(out["certified"]) == 20  # certification is on for sharded models
 
 
+@pytest.mark.parametrize("kind,fault_rank", [("fsdp2", 3), ("tp", 1)])
+def test_faulty_optimizer_step_on_a_sharded_parameter_is_caught(tmp_path, kind, fault_rank):
+    outs = run_ranks(sw.faulty_shadow_step, 4, kind, str(tmp_path), fault_rank, timeout=240)
+    for rank, out in enumerate(outs):
+        result, reports = out["results"][2]
+        optimizer = _checks(result, "optimizer")
+        assert len(optimizer) == 1
+        # FSDP2: a sharded parameter, stepped on the source's shard slice; TP: the first parameter is the
+        # replicated embedding, stepped by each peer on its own copy.
+        assert ("[local shard of rank " in optimizer[0].module_path) == (kind == "fsdp2")
+        assert all(c.verdict == "clean" for c in result.checks if c.check != "optimizer"), result.checks
+        peers = out["group_ranks"]
+        if fault_rank not in peers:
+            assert optimizer[0].verdict == "clean" and reports == []
+        elif len(peers) >= 3:
+            assert (optimizer[0].verdict, optimizer[0].faulty) == ("sdc", (fault_rank,))
+            assert [(r.kind, r.scope, r.ranks) for r in reports] == [(SDC, SCOPE_RANK, (fault_rank,))]
+        else:
+            assert [(r.kind, r.scope, r.ranks) for r in reports] == [(SDC_PEER_GROUP, SCOPE_PEER_GROUP, peers)]
+
+
 def test_dp2_tp2_groups_and_peer_group_scope_report(tmp_path):
     outs = run_ranks(sw.sharded_run, 4, "tp", str(tmp_path), 4, 2, 4, timeout=240)
     assert [out["group_ranks"] for out in outs] == [(0, 2), (1, 3), (0, 2), (1, 3)]
