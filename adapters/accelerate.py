@@ -22,6 +22,11 @@ After `accelerator.prepare(...)` the accelerator holds the prepared objects:
   `project_configuration.iteration` (the `save_state` counter) and the objects registered with
   `accelerator.register_for_checkpointing`, i.e. what `accelerator.save_state` would save.
 
+All of the above except model and optimizer is `AccelerateLoopState`. Under Accelerate's DeepSpeed
+integration `_models[0]` is the DeepSpeed engine and the prepared optimizer's `step()` is a no-op:
+`AccelerateDeepSpeedAdapter` takes model, optimizer, engine counters and the engine's LR scheduler
+from the DeepSpeed adapter (its hooks wrap `engine.step()`), and the loop state from here.
+
 Everything framework-specific is imported lazily; importing this module needs torch only.
 """
 
@@ -35,7 +40,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from lm_resiliency.adapter import StepCallbacks, Topology
+from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
+from lm_resiliency.config import DATALOADER_RESUME_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ logger = logging.getLogger(__name__)
 #               iteration of each loader continues the interrupted epoch after its last consumed batch.
 #   "manual":   the loaders are left alone; the loop uses `resume_epoch`, `resume_batches` and
 #               `ResiliencyPlugin.skip_first_batches(dataloader)`.
-RESUME_MODES = ("auto", "continue", "manual")
+RESUME_MODES = DATALOADER_RESUME_MODES
 
 _CLASS_SLOT = object.__dict__["__class__"]  # Accelerate's DataLoaderAdapter hides __class__ behind a property
 _TRACKED_CLASSES: Dict[type, type] = {}
@@ -260,12 +267,17 @@ class DataLoaderTracker:
             self.resume, self.recovered = self.recovered, None
 
 
-# ---------------------------------------------------------------------------- the adapter
+# ---------------------------------------------------------------------------- the adapters
 
 
 def _distributed_type(accelerator: Any) -> str:
     value = getattr(accelerator, "distributed_type", None)
     return str(getattr(value, "value", value))
+
+
+def uses_deepspeed(accelerator: Any) -> bool:
+    """Whether `accelerator` runs Accelerate's DeepSpeed integration (its prepared model is the engine)."""
+    return _distributed_type(accelerator) == "DEEPSPEED"
 
 
 def check_prepared(accelerator: Any) -> None:
@@ -310,60 +322,31 @@ def trackable(accelerator: Any) -> List[Any]:
     return loaders
 
 
-class AccelerateAdapter(PyTorchAdapter):
-    """Maps a prepared `Accelerator` onto the session (see the module docstring)."""
+class AccelerateLoopState:
+    """What an Accelerate loop keeps besides the model and optimizer: the prepared schedulers and
+    dataloader positions, `accelerator.step`, the registered custom objects, the GradScaler and the
+    `save_state` counter. Both adapters capture it, whoever owns the optimizer step."""
 
-    framework = "accelerate"
-
-    def __init__(self, accelerator: Any, *, resume_dataloaders: str = "auto",
-                 skip_replication_if_hsdp: bool = True) -> None:
-        check_prepared(accelerator)
+    def __init__(self, accelerator: Any, resume_dataloaders: str) -> None:
         if resume_dataloaders not in RESUME_MODES:
             raise ValueError(f"resume_dataloaders must be one of {RESUME_MODES}, got {resume_dataloaders!r}")
-        kind = _distributed_type(accelerator)
-        if kind == "DEEPSPEED":
-            raise AcceleratePreparationError(
-                "this Accelerator uses DeepSpeed: its optimizer wrapper's step() is a no-op, so the DeepSpeed "
-                "engine must be hooked instead (see lm_resiliency.callbacks.accelerate.ResiliencyPlugin.attach)")
-        if kind in ("MEGATRON_LM", "XLA"):
-            raise AcceleratePreparationError(f"Accelerate distributed type {kind} is not supported by lm-resiliency")
-        model = accelerator._models[0]
-        if kind == "FSDP":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            if isinstance(model, FullyShardedDataParallel):
-                raise AcceleratePreparationError(
-                    "Accelerate FSDP1 (FullyShardedDataParallel wrapper) is not supported; use FSDP2 "
-                    "(FullyShardedDataParallelPlugin(fsdp_version=2)), whose DTensor shards GEMINI captures per rank")
-        wrapped = accelerator._optimizers[0]
-        optimizer = getattr(wrapped, "optimizer", wrapped)
-        super().__init__(model, optimizer, device=accelerator.device,
-                         skip_replication_if_hsdp=skip_replication_if_hsdp)
         self.accelerator = accelerator
-        self.accelerated_optimizer = wrapped
         self.resume_dataloaders = resume_dataloaders
         self.trackers: List[DataLoaderTracker] = [DataLoaderTracker.of(dl) for dl in trackable(accelerator)]
         self._positions: List[Dict[str, Any]] = [t.position(optimizer_step=False) for t in self.trackers]
         self._micro_step = int(accelerator.step)
 
-    def topology(self) -> Topology:
-        base = super().topology()
-        kind, descriptor = base.kind, dict(base.descriptor)
-        if kind == "replicated" and _distributed_type(self.accelerator).startswith("MULTI_"):
-            # Accelerate keeps the unwrapped module in `_models` and hands the DDP wrapper only to the
-            # caller; the hooks sit on the module (inside DDP's forward), the layout is DDP's.
-            kind = descriptor["kind"] = "ddp"
-        descriptor.update({"framework": "accelerate", "distributed_type": _distributed_type(self.accelerator)})
-        return Topology(kind=kind, replicate=base.replicate, descriptor=descriptor)
+    def snapshotting(self, callbacks: StepCallbacks) -> StepCallbacks:
+        """`callbacks` with the loop position read at every applied optimizer step, before the loop
+        fetches its next batch (the capture itself completes later, before the next forward)."""
+        def after_optimizer_step() -> None:
+            self._positions = [t.position() for t in self.trackers]
+            self._micro_step = int(self.accelerator.step)
+            callbacks.after_optimizer_step()
 
-    # ------------------------------------------------------------------ state
+        return StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step, callbacks.before_forward)
 
-    def _snapshot_position(self) -> None:
-        """At every applied optimizer step (before the loop fetches the next batch)."""
-        self._positions = [t.position() for t in self.trackers]
-        self._micro_step = int(self.accelerator.step)
-
-    def deferred_state(self) -> Dict[str, Any]:
+    def state(self) -> Dict[str, Any]:
         acc = self.accelerator
         state: Dict[str, Any] = {
             "schedulers": [s.state_dict() for s in acc._schedulers],
@@ -378,7 +361,7 @@ class AccelerateAdapter(PyTorchAdapter):
             state["scaler"] = acc.scaler.state_dict()
         return state
 
-    def load_deferred_state(self, state: Dict[str, Any]) -> None:
+    def load(self, state: Dict[str, Any]) -> None:
         acc = self.accelerator
         for what, live in (("schedulers", acc._schedulers), ("dataloaders", self.trackers),
                            ("custom_objects", acc._custom_objects)):
@@ -417,20 +400,100 @@ class AccelerateAdapter(PyTorchAdapter):
         return (int(self._positions[0]["iteration"]), int(self._positions[0]["batches"])) if self._positions \
             else (0, 0)
 
-    # ------------------------------------------------------------------ hooks
-
-    def install(self, callbacks: StepCallbacks) -> None:
-        def after_optimizer_step() -> None:
-            self._snapshot_position()
-            callbacks.after_optimizer_step()
-
-        super().install(StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step,
-                                      callbacks.before_forward))
-
-    def remove(self) -> None:
-        super().remove()
+    def detach(self) -> None:
         for tracker in self.trackers:
             tracker.detach()
 
+
+class _LoopStateMixin:
+    """The adapter side of `AccelerateLoopState`: captured as deferred state (read after the loop's
+    `scheduler.step()`), positions snapshotted at each applied step, trackers detached on remove."""
+
+    loop: AccelerateLoopState
+
+    def deferred_state(self) -> Dict[str, Any]:
+        return self.loop.state()
+
+    def load_deferred_state(self, state: Dict[str, Any]) -> None:
+        self.loop.load(state)
+
+    def install(self, callbacks: StepCallbacks) -> None:
+        super().install(self.loop.snapshotting(callbacks))
+
+    def remove(self) -> None:
+        super().remove()
+        self.loop.detach()
+
+
+class AccelerateAdapter(_LoopStateMixin, PyTorchAdapter):
+    """Maps a prepared `Accelerator` onto the session (see the module docstring)."""
+
+    framework = "accelerate"
+
+    def __init__(self, accelerator: Any, *, resume_dataloaders: str = "auto",
+                 skip_replication_if_hsdp: bool = True) -> None:
+        check_prepared(accelerator)
+        kind = _distributed_type(accelerator)
+        if kind == "DEEPSPEED":
+            raise AcceleratePreparationError(
+                "this Accelerator uses DeepSpeed: its optimizer wrapper's step() is a no-op, so the DeepSpeed "
+                "engine must be hooked instead (AccelerateDeepSpeedAdapter; ResiliencyPlugin.attach picks it)")
+        if kind in ("MEGATRON_LM", "XLA"):
+            raise AcceleratePreparationError(f"Accelerate distributed type {kind} is not supported by lm-resiliency")
+        model = accelerator._models[0]
+        if kind == "FSDP":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            if isinstance(model, FullyShardedDataParallel):
+                raise AcceleratePreparationError(
+                    "Accelerate FSDP1 (FullyShardedDataParallel wrapper) is not supported; use FSDP2 "
+                    "(FullyShardedDataParallelPlugin(fsdp_version=2)), whose DTensor shards GEMINI captures per rank")
+        loop = AccelerateLoopState(accelerator, resume_dataloaders)
+        wrapped = accelerator._optimizers[0]
+        optimizer = getattr(wrapped, "optimizer", wrapped)
+        super().__init__(model, optimizer, device=accelerator.device,
+                         skip_replication_if_hsdp=skip_replication_if_hsdp)
+        self.accelerator = accelerator
+        self.accelerated_optimizer = wrapped
+        self.loop = loop
+
+    def topology(self) -> Topology:
+        base = super().topology()
+        kind, descriptor = base.kind, dict(base.descriptor)
+        if kind == "replicated" and _distributed_type(self.accelerator).startswith("MULTI_"):
+            # Accelerate keeps the unwrapped module in `_models` and hands the DDP wrapper only to the
+            # caller; the hooks sit on the module (inside DDP's forward), the layout is DDP's.
+            kind = descriptor["kind"] = "ddp"
+        descriptor.update({"framework": "accelerate", "distributed_type": _distributed_type(self.accelerator)})
+        return Topology(kind=kind, replicate=base.replicate, descriptor=descriptor)
+
     def describe(self) -> str:
         return f"accelerate/{_distributed_type(self.accelerator)}/{self.topology().kind}"
+
+
+class AccelerateDeepSpeedAdapter(_LoopStateMixin, DeepSpeedAdapter):
+    """Accelerate's DeepSpeed integration: the prepared model is the DeepSpeed engine and the
+    prepared optimizer's `step()` is a no-op (`accelerator.backward` calls `engine.step()` when
+    gradients sync). Model, optimizer, engine counters and the engine's LR scheduler are the
+    DeepSpeed adapter's, through the engine hooks (`hooks`, from lm_resiliency.callbacks.deepspeed);
+    the loop state is the same `AccelerateLoopState` as under MULTI_CPU/MULTI_GPU."""
+
+    def __init__(self, accelerator: Any, *, hooks: Callable[[DeepSpeedAdapter, StepCallbacks], Any],
+                 resume_dataloaders: str = "auto") -> None:
+        check_prepared(accelerator)
+        if not uses_deepspeed(accelerator):
+            raise AcceleratePreparationError(
+                f"AccelerateDeepSpeedAdapter needs an Accelerator with a DeepSpeedPlugin; this one is "
+                f"{_distributed_type(accelerator)} (use AccelerateAdapter)")
+        loop = AccelerateLoopState(accelerator, resume_dataloaders)
+        super().__init__(accelerator._models[0], hooks=hooks)
+        self.accelerator = accelerator
+        self.loop = loop
+
+    def topology(self) -> Topology:
+        base = super().topology()
+        descriptor = dict(base.descriptor, framework="accelerate", distributed_type="DEEPSPEED")
+        return Topology(kind=base.kind, replicate=base.replicate, descriptor=descriptor)
+
+    def describe(self) -> str:
+        return f"accelerate/DEEPSPEED/{super().describe()}"

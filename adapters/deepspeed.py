@@ -24,7 +24,6 @@ module only imports DeepSpeed lazily, inside the functions that need it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -32,9 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
-from lm_resiliency.recovery import RecoveryMode
-from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.config import read_settings
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +39,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_OPTIONS: frozenset = frozenset()
 
 CONFIG_SECTION = "lm_resiliency"
-_SECTION_KEYS = ("interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "recovery_mode")
 
 # Keys of a ZeRO optimizer state_dict (deepspeed.checkpoint.constants), spelled here so that this
 # module does not import DeepSpeed at import time.
@@ -118,51 +114,14 @@ def read_config_section(engine: Any) -> Dict[str, Any]:
     """Validated values of the optional `"lm_resiliency"` section of the engine's DeepSpeed config.
 
     DeepSpeed keeps unknown top-level keys and ignores them, so the section travels in the same
-    JSON file. Keys: `interval` (int), `checkpoint` (InMemoryCkptConfig fields), `replay`
-    (ReplayHarnessConfig fields), `enable_checkpoint`, `enable_detection` (bool), `recovery_mode`
-    ("latest" | "recovery_verified"). Unknown keys and bad values raise ConfigError naming the key.
+    JSON file. Its keys and checks are a policy file's (`lm_resiliency.config.read_settings`):
+    unknown keys and bad values raise ConfigError naming the key.
     """
     section = engine_config(engine).get(CONFIG_SECTION)
     if section is None:
         return {}
     where = f'DeepSpeed config "{CONFIG_SECTION}"'
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: must be an object, got {type(section).__name__}")
-    unknown = sorted(set(section) - set(_SECTION_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted keys: {list(_SECTION_KEYS)}")
-    values: Dict[str, Any] = {}
-    if "interval" in section:
-        interval = section["interval"]
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"{where}.interval: must be a positive int, got {interval!r}")
-        values["interval"] = interval
-    for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
-        if key not in section:
-            continue
-        fields = section[key]
-        if not isinstance(fields, dict):
-            raise ConfigError(f"{where}.{key}: must be an object of {cls.__name__} fields, got {fields!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(fields) - known)
-        if bad:
-            raise ConfigError(f"{where}.{key}: unknown {cls.__name__} field(s) {bad}; accepted: {sorted(known)}")
-        try:
-            values[key] = cls(**fields)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}.{key}: {exc}") from None
-    for key in ("enable_checkpoint", "enable_detection"):
-        if key in section:
-            if not isinstance(section[key], bool):
-                raise ConfigError(f"{where}.{key}: must be true or false, got {section[key]!r}")
-            values[key] = section[key]
-    if "recovery_mode" in section:
-        try:
-            values["recovery_mode"] = RecoveryMode(section["recovery_mode"])
-        except ValueError:
-            raise ConfigError(f"{where}.recovery_mode: must be one of {[m.value for m in RecoveryMode]}, "
-                              f"got {section['recovery_mode']!r}") from None
-    return values
+    return read_settings(section, where, f"{where}.")
 
 
 def apply_config_section(engine: Any, arguments: Dict[str, Any]) -> Dict[str, Any]:
@@ -455,10 +414,13 @@ class DeepSpeedAdapter(FrameworkAdapter):
     # ------------------------------------------------------------------ hooks
 
     def install(self, callbacks: StepCallbacks) -> None:
-        self.remove()
+        self._remove_hooks()  # not remove(): a subclass's remove() may undo more than the hooks
         self._hooks = self._hooks_factory(self, callbacks)
 
     def remove(self) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.remove()

@@ -18,15 +18,19 @@ that runs the unchanged script:
     LM_RESILIENCY=1 torchrun --nproc-per-node 8 -m lm_resiliency.callbacks.accelerate train.py
 
 The bootstrap wraps `Accelerator.prepare`; each prepared accelerator gets a `ResiliencyPlugin`
-(settings from `LM_RESILIENCY_*` variables), attached and recovered at the first use of the
+(settings from the `LM_RESILIENCY*` variables or a policy file: `lm_resiliency.config.ResiliencyPolicy`,
+shared with Lightning's entry point), attached and recovered at the first use of the
 prepared objects (first dataloader iteration or model forward), so everything the script prepares
 before its loop is covered. With `LM_RESILIENCY` unset (or 0/false/no/off) the bootstrap only runs
 the script: nothing is patched and Accelerate is not even imported by it.
+
+Under Accelerate's DeepSpeed integration (`Accelerator(deepspeed_plugin=...)`) the same plugin and
+flag hook the DeepSpeed engine's `step()` (the prepared optimizer's `step()` is a no-op there);
+dataloader positions and `accelerator.step` are captured as under MULTI_CPU/MULTI_GPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import runpy
@@ -34,16 +38,14 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import (DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig, ResiliencyPolicy,
+                                  resolve_configs)
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.session import ResiliencySession
 
 logger = logging.getLogger(__name__)
 
-FLAG = "LM_RESILIENCY"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 _ATTR = "_lm_resiliency_plugin"
 
 
@@ -68,32 +70,17 @@ class ResiliencyPlugin:
                  fault_callback: Optional[Callable[..., None]] = None,
                  oob_fault_callback: Optional[Callable[..., None]] = None,
                  durable_checkpoint: Any = None, resume_dataloaders: str = "auto") -> None:
-        from lm_resiliency.adapters.accelerate import RESUME_MODES
-
-        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
-            raise ValueError(f"ResiliencyPlugin(interval=...): must be a positive int, got {interval!r}")
-        config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
-        if not isinstance(config, InMemoryCkptConfig):
-            raise TypeError(f"ResiliencyPlugin(checkpoint=...): expected an InMemoryCkptConfig, "
-                            f"got {type(config).__name__}")
-        replay_config = replay if replay is not None else ReplayHarnessConfig()
-        if not isinstance(replay_config, ReplayHarnessConfig):
-            raise TypeError(f"ResiliencyPlugin(replay=...): expected a ReplayHarnessConfig, "
-                            f"got {type(replay_config).__name__}")
-        if interval is not None:  # the shared cadence, as in enable_resiliency
-            config = dataclasses.replace(config, interval=interval)
-            replay_config = dataclasses.replace(replay_config, check_interval=interval)
-        if resume_dataloaders not in RESUME_MODES:
-            raise ValueError(f"ResiliencyPlugin(resume_dataloaders=...): must be one of {RESUME_MODES}, "
+        if resume_dataloaders not in DATALOADER_RESUME_MODES:
+            raise ValueError(f"ResiliencyPlugin(resume_dataloaders=...): must be one of {DATALOADER_RESUME_MODES}, "
                              f"got {resume_dataloaders!r}")
-        self.checkpoint = config
-        self.replay = replay_config
-        self._given = dict(interval=interval, checkpoint=checkpoint, replay=replay)  # for the DeepSpeed path
+        self._given = dict(interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
+                           enable_detection=enable_detection,
+                           recovery_mode=RecoveryMode(recovery_mode) if recovery_mode is not None else None)
+        # Checked now, not at attach; the DeepSpeed config section may still fill unset ones there.
+        self.checkpoint, self.replay = resolve_configs(interval, checkpoint, replay, "ResiliencyPlugin")
         self.resume_dataloaders = resume_dataloaders
         self._session_options = dict(
-            enable_checkpoint=enable_checkpoint, enable_detection=enable_detection,
             extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn, load_fallback=load_fallback,
-            recovery_mode=RecoveryMode(recovery_mode) if recovery_mode is not None else None,
             orchestration=orchestration, fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
             durable_checkpoint=durable_checkpoint)
         self.session: Optional[ResiliencySession] = None
@@ -104,8 +91,13 @@ class ResiliencyPlugin:
 
     def attach(self, accelerator: Any) -> ResiliencySession:
         """Collective (every rank): attach to `accelerator` after `prepare()`, load the newest
-        recoverable state and return the session (`step_count` is the resume point)."""
-        from lm_resiliency.adapters.accelerate import AccelerateAdapter, _distributed_type, check_prepared
+        recoverable state and return the session (`step_count` is the resume point).
+
+        Under Accelerate's DeepSpeed integration the prepared optimizer's `step()` is a no-op, so
+        the DeepSpeed engine's `step()` is hooked instead (lm_resiliency.callbacks.deepspeed), and
+        the engine config's optional "lm_resiliency" section fills arguments left unset."""
+        from lm_resiliency.adapters.accelerate import (AccelerateAdapter, AccelerateDeepSpeedAdapter,
+                                                       check_prepared, uses_deepspeed)
 
         if self.session is not None:
             raise RuntimeError("this ResiliencyPlugin is already attached; create one plugin per Accelerator")
@@ -114,12 +106,34 @@ class ResiliencyPlugin:
         if owner is not None and owner.session is not None:
             raise RuntimeError("lm-resiliency is already attached to this Accelerator "
                                f"({'by the LM_RESILIENCY flag' if owner.from_flag else 'by another plugin'})")
-        if _distributed_type(accelerator) == "DEEPSPEED":
-            return self._attach_deepspeed(accelerator)
-        adapter = AccelerateAdapter(accelerator, resume_dataloaders=self.resume_dataloaders,
-                                    skip_replication_if_hsdp=self.checkpoint.skip_replication_if_hsdp)
-        session = ResiliencySession(adapter, checkpoint=self.checkpoint, replay=self.replay,
-                                    **self._session_options)
+        settings = dict(self._given)
+        deepspeed = uses_deepspeed(accelerator)
+        if deepspeed:
+            from lm_resiliency.adapters.deepspeed import apply_config_section
+
+            settings = apply_config_section(accelerator._models[0], settings)
+        checkpoint, replay = resolve_configs(settings["interval"], settings["checkpoint"], settings["replay"],
+                                         "ResiliencyPlugin")
+        if deepspeed:
+            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks
+
+            adapter: Any = AccelerateDeepSpeedAdapter(accelerator, hooks=DeepSpeedEngineHooks,
+                                                      resume_dataloaders=self.resume_dataloaders)
+        else:
+            adapter = AccelerateAdapter(accelerator, resume_dataloaders=self.resume_dataloaders,
+                                        skip_replication_if_hsdp=checkpoint.skip_replication_if_hsdp)
+        mode = settings["recovery_mode"]
+        try:
+            session = ResiliencySession(adapter, checkpoint=checkpoint, replay=replay,
+                                        enable_checkpoint=settings["enable_checkpoint"],
+                                        enable_detection=settings["enable_detection"],
+                                        recovery_mode=RecoveryMode(mode) if mode is not None else None,
+                                        **self._session_options)
+        except BaseException:
+            adapter.remove()
+            raise
+        if deepspeed:
+            adapter.bind_session(session)  # step_count follows engine.global_steps; load_checkpoint guard
         try:
             session.recover()
         except BaseException:
@@ -129,32 +143,9 @@ class ResiliencyPlugin:
         accelerator.__dict__[_ATTR] = self
         if session.recovered_from is not None:
             epoch, batches = self.resume_position
-            logger.info("lm-resiliency: Accelerate run resumes after optimizer step %d (epoch %d, batch %d, "
-                        "dataloaders: %s)", session.step_count, epoch, batches, self.resume_dataloaders)
-        return session
-
-    def _attach_deepspeed(self, accelerator: Any) -> ResiliencySession:
-        """Accelerate's DeepSpeed integration: `DeepSpeedOptimizerWrapper.step` is a no-op and the
-        prepared model is the DeepSpeed engine, so the session hooks the engine through the DeepSpeed
-        surface (`lm_resiliency.callbacks.deepspeed`), which wraps `engine.step` and counts
-        `engine.global_steps`. Accelerate-level state (dataloader positions, `accelerator.step`) is
-        not captured on this path: the loop resumes from `step_count`."""
-        try:
-            from lm_resiliency.callbacks.deepspeed import register_resiliency_hooks
-        except ImportError as exc:
-            raise NotImplementedError(
-                "this Accelerator uses DeepSpeed (distributed_type DEEPSPEED): lm-resiliency must hook the "
-                "DeepSpeed engine there, and the DeepSpeed surface (lm_resiliency.callbacks.deepspeed) cannot be "
-                f"imported ({exc})") from exc
-        if self.resume_dataloaders != "manual":
-            logger.warning("lm-resiliency: under Accelerate's DeepSpeed integration dataloader positions are not "
-                           "captured; resume the data from step_count (resume_dataloaders=%r is ignored)",
-                           self.resume_dataloaders)
-        options = {k: v for k, v in self._given.items() if v is not None}  # unset: the DeepSpeed config section
-        options.update({k: v for k, v in self._session_options.items() if v is not None})
-        session = register_resiliency_hooks(accelerator._models[0], **options)
-        self.session, self.accelerator = session, accelerator
-        accelerator.__dict__[_ATTR] = self
+            logger.info("lm-resiliency: Accelerate run (%s) resumes after optimizer step %d (epoch %d, batch %d, "
+                        "dataloaders: %s)", adapter.describe(), session.step_count, epoch, batches,
+                        self.resume_dataloaders)
         return session
 
     # ------------------------------------------------------------- the handle
@@ -174,10 +165,7 @@ class ResiliencyPlugin:
     def resume_position(self) -> tuple:
         """(epoch, batches consumed in it) where the training dataloader resumes."""
         self._require_session()
-        if self.adapter is None:
-            raise RuntimeError("dataloader positions are not captured under Accelerate's DeepSpeed integration; "
-                               "resume the data from step_count")
-        return self.adapter.resume_position()
+        return self.adapter.loop.resume_position()
 
     @property
     def resume_epoch(self) -> int:
@@ -195,7 +183,7 @@ class ResiliencyPlugin:
 
         self._require_session()
         tracker = dataloader.__dict__.get("_lmr_tracker") if hasattr(dataloader, "__dict__") else None
-        if tracker is None or self.adapter is None or tracker not in self.adapter.trackers:
+        if tracker is None or self.adapter is None or tracker not in self.adapter.loop.trackers:
             raise ValueError("skip_first_batches: pass a dataloader returned by this accelerator's prepare() "
                              "before attach")
         assert isinstance(tracker, DataLoaderTracker)
@@ -216,69 +204,19 @@ def get_session(accelerator: Any) -> Optional[ResiliencySession]:
 # -------------------------------------------------------------------------------- the flag
 
 
-def _env_int(environ: Dict[str, str], name: str, minimum: int) -> Optional[int]:
-    text = environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum}")
-    return value
-
-
-def flag_settings(environ: Optional[Dict[str, str]] = None) -> Optional[Dict[str, Any]]:
-    """The `LM_RESILIENCY*` environment as ResiliencyPlugin arguments, or None when the flag is off.
-
-    LM_RESILIENCY                      1/true/yes/on enables; unset/empty/0/false/no/off: inert
-    LM_RESILIENCY_INTERVAL             capture (and SCOUT check) every N optimizer steps (default 10)
-    LM_RESILIENCY_DIR                  node-local checkpoint folder (default ./checkpoints)
-    LM_RESILIENCY_DISK_FLUSH_INTERVAL  flush to that folder every N steps (default 100; 0: never)
-    LM_RESILIENCY_SHM_DIR              host-slot directory (default /dev/shm/lm-resiliency-<uid>)
-    LM_RESILIENCY_DETECTION            0 turns SCOUT off (default on)
-    LM_RESILIENCY_DATALOADER_RESUME    auto (default), continue or manual
-    LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(FLAG, "").strip().lower()
-    if value in _FALSE:
-        return None  # inert: nothing else is read, imported or patched
-    if value not in _TRUE:
-        raise ConfigError(f"{FLAG}={env.get(FLAG)!r}: expected 1/true/yes/on to enable lm-resiliency, or "
-                          "unset/0/false/no/off to leave the run untouched")
-    from lm_resiliency.adapters.accelerate import RESUME_MODES
-
-    checkpoint: Dict[str, Any] = {}
-    directory = env.get("LM_RESILIENCY_DIR", "").strip()
-    if directory:
-        checkpoint["disk_folder"] = directory
-    shm = env.get("LM_RESILIENCY_SHM_DIR", "").strip()
-    if shm:
-        checkpoint["shared_memory_dir"] = shm
-    flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
-    if flush is not None:
-        checkpoint["disk_flush_interval"] = flush
-    detection = env.get("LM_RESILIENCY_DETECTION", "1").strip().lower()
-    if detection not in _TRUE + _FALSE:
-        raise ConfigError(f"LM_RESILIENCY_DETECTION={env.get('LM_RESILIENCY_DETECTION')!r}: expected 1 or 0")
-    mode = env.get("LM_RESILIENCY_DATALOADER_RESUME", "auto").strip().lower() or "auto"
-    if mode not in RESUME_MODES:
-        raise ConfigError(f"LM_RESILIENCY_DATALOADER_RESUME={mode!r}: expected one of {RESUME_MODES}")
-    return {"interval": _env_int(env, "LM_RESILIENCY_INTERVAL", 1),
-            "checkpoint": InMemoryCkptConfig(**checkpoint),
-            "enable_detection": detection in _TRUE,
-            "resume_dataloaders": mode}
+def flag_plugin_arguments(policy: ResiliencyPolicy) -> Dict[str, Any]:
+    """ResiliencyPlugin arguments for the policy the LM_RESILIENCY flag read
+    (`ResiliencyPolicy.from_environment()`: the same variables and policy files as Lightning's)."""
+    return dict(policy.arguments(), resume_dataloaders=policy.resume_dataloaders or "auto")
 
 
 class _FlagAttachment:
     """Per-accelerator state of the LM_RESILIENCY flag: attaches a plugin at the first use of the
     prepared objects (so a script that prepares in several calls is fully covered)."""
 
-    def __init__(self, accelerator: Any, settings: Dict[str, Any]) -> None:
+    def __init__(self, accelerator: Any, policy: ResiliencyPolicy) -> None:
         self.accelerator = weakref.ref(accelerator)
-        self.settings = settings
+        self.policy = policy
         self.plugin: Optional[ResiliencyPlugin] = None
         self._hooks: List[Any] = []
         self._hooked_models: set = set()
@@ -314,19 +252,18 @@ class _FlagAttachment:
         owner = accelerator.__dict__.get(_ATTR)
         if owner is not None and owner is not self.plugin and owner.session is not None:
             return  # the script attached its own ResiliencyPlugin: the flag defers to it
-        self.plugin = ResiliencyPlugin(**self.settings)
+        self.plugin = ResiliencyPlugin(**flag_plugin_arguments(self.policy))
         self.plugin.from_flag = True
         self.plugin.attach(accelerator)
 
 
-
 def _on_prepared(accelerator: Any) -> None:
-    settings = flag_settings()
-    if settings is None:
+    policy = ResiliencyPolicy.from_environment()
+    if policy is None:
         return
     attachment = accelerator.__dict__.get("_lm_resiliency_flag")
     if attachment is None:
-        attachment = _FlagAttachment(accelerator, settings)
+        attachment = _FlagAttachment(accelerator, policy)
         accelerator.__dict__["_lm_resiliency_flag"] = attachment
     attachment.note_prepared(accelerator)
 
@@ -361,8 +298,8 @@ def uninstall_prepare_hook() -> None:
 
 def activate(environ: Optional[Dict[str, str]] = None) -> bool:
     """Honour LM_RESILIENCY: install the prepare hook when it is on. Returns whether it is on.
-    A bad LM_RESILIENCY* value raises ConfigError naming the variable."""
-    if flag_settings(environ) is None:
+    A bad LM_RESILIENCY* value or policy file raises ConfigError naming it."""
+    if ResiliencyPolicy.from_environment(environ) is None:
         return False
     install_prepare_hook()
     return True

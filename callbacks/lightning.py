@@ -5,7 +5,8 @@
     trainer.fit(model)          # after a crash, the same call resumes from the newest GEMINI step
 
 Or with no code change: `LM_RESILIENCY=1` (or a policy-file path) in the environment adds the
-callback through Lightning's `callbacks_factory` entry point (`callbacks_from_env`).
+callback through Lightning's `callbacks_factory` entry point (`callbacks_from_env`); the
+variables and the policy file are `lm_resiliency.config.ResiliencyPolicy`'s.
 
 Lifecycle translation (the adapter holds the state; the session does capture/replay/recovery):
 
@@ -23,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import InMemoryCkptConfig, ResiliencyPolicy, resolve_configs
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
@@ -37,11 +37,7 @@ from lm_resiliency.session import ResiliencySession
 
 logger = logging.getLogger(__name__)
 
-ENABLE_ENV = "LM_RESILIENCY"
-INTERVAL_ENV = "LM_RESILIENCY_INTERVAL"
 METRIC_PREFIX = "lm_resiliency/"
-_OFF = {"", "0", "false", "no", "off"}
-_ON = {"1", "true", "yes", "on"}
 
 
 def _callback_bases() -> tuple:
@@ -59,12 +55,6 @@ def _callback_bases() -> tuple:
         raise ImportError("lm_resiliency.callbacks.lightning needs `lightning` "
                           "(pip install 'lm-resiliency[lightning]')")
     return tuple(bases)
-
-
-def _positive_interval(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: interval must be a positive int number of optimizer steps, got {value!r}")
-    return value
 
 
 class ResiliencyCallback(*_callback_bases()):
@@ -89,22 +79,11 @@ class ResiliencyCallback(*_callback_bases()):
                  fault_callback: Optional[Callable[[ReplayResult], None]] = None,
                  oob_fault_callback: Optional[Callable[[SCOUTFaultReport], None]] = None,
                  durable_checkpoint: Any = None, log_metrics: bool = True) -> None:
-        if checkpoint is not None and not isinstance(checkpoint, InMemoryCkptConfig):
-            raise TypeError(f"ResiliencyCallback(checkpoint=...): expected an InMemoryCkptConfig, got "
-                            f"{type(checkpoint).__name__}")
-        if replay is not None and not isinstance(replay, ReplayHarnessConfig):
-            raise TypeError(f"ResiliencyCallback(replay=...): expected a ReplayHarnessConfig, got "
-                            f"{type(replay).__name__}")
         for name, value in (("enable_checkpoint", enable_checkpoint), ("enable_detection", enable_detection),
                             ("log_metrics", log_metrics)):
             if not isinstance(value, bool):
                 raise TypeError(f"ResiliencyCallback({name}=...): must be True or False, got {value!r}")
-        config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
-        replay_config = replay if replay is not None else ReplayHarnessConfig()
-        if interval is not None:
-            interval = _positive_interval(interval, "ResiliencyCallback(interval=...)")
-            config = dataclasses.replace(config, interval=interval)
-            replay_config = dataclasses.replace(replay_config, check_interval=interval)
+        config, replay_config = resolve_configs(interval, checkpoint, replay, "ResiliencyCallback")
         if run_id is not None:
             config = dataclasses.replace(config, run_id=run_id)
         if disk_folder is not None:
@@ -341,107 +320,17 @@ def oob_metrics(reports: List[SCOUTFaultReport]) -> Dict[str, float]:
 
 # ------------------------------------------------------------ zero-code opt-in
 
-_POLICY_KEYS = {"interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "run_id",
-                "disk_folder", "recovery_mode", "log_metrics"}
-
-
-def _env_int(env: Dict[str, str], name: str, minimum: int) -> Optional[int]:
-    text = env.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum}")
-    return value
-
-
-def policy_from_env(environ: Optional[Dict[str, str]] = None) -> Optional[Dict[str, Any]]:
-    """ResiliencyCallback keyword arguments from the environment, or None when LM_RESILIENCY is off.
-
-    LM_RESILIENCY                      1/true/yes/on enables; unset/empty/0/false/no/off: inert;
-                                       any other value is the path of a policy file (.toml/.json)
-    LM_RESILIENCY_INTERVAL             capture (and SCOUT check) every N optimizer steps (default 10)
-    LM_RESILIENCY_DIR                  node-local checkpoint folder (default ./checkpoints)
-    LM_RESILIENCY_DISK_FLUSH_INTERVAL  flush to that folder every N steps (default 100; 0: never)
-    LM_RESILIENCY_SHM_DIR              host-slot directory (default /dev/shm/lm-resiliency-<uid>)
-    LM_RESILIENCY_DETECTION            0 turns SCOUT off (default on)
-    LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
-
-    The variables are the ones the Accelerate flag reads. A policy file holds the keys of
-    `_POLICY_KEYS` (`checkpoint` and `replay` are tables of InMemoryCkptConfig and
-    ReplayHarnessConfig fields); variables that are set override it. Unknown keys, bad values
-    and missing files raise ConfigError naming them."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENABLE_ENV, "").strip()
-    if raw.lower() in _OFF:
-        return None
-    policy: Dict[str, Any] = {} if raw.lower() in _ON else _read_policy_file(raw)
-    interval = _env_int(env, INTERVAL_ENV, 1)
-    if interval is not None:
-        policy["interval"] = interval
-    directory = env.get("LM_RESILIENCY_DIR", "").strip()
-    if directory:
-        policy["disk_folder"] = directory
-    overrides: Dict[str, Any] = {}
-    shm = env.get("LM_RESILIENCY_SHM_DIR", "").strip()
-    if shm:
-        overrides["shared_memory_dir"] = shm
-    flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
-    if flush is not None:
-        overrides["disk_flush_interval"] = flush
-    if overrides:
-        policy["checkpoint"] = dataclasses.replace(policy.get("checkpoint", InMemoryCkptConfig()), **overrides)
-    detection = env.get("LM_RESILIENCY_DETECTION", "").strip().lower()
-    if detection:
-        if detection not in _ON | (_OFF - {""}):
-            raise ConfigError(f"LM_RESILIENCY_DETECTION={env.get('LM_RESILIENCY_DETECTION')!r}: expected 1 or 0")
-        policy["enable_detection"] = detection in _ON
-    return policy
-
-
-def _read_policy_file(path: str) -> Dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
-                          "and no such file exists")
-    if path.endswith(".toml"):
-        import tomllib
-
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    else:
-        raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
-    if not isinstance(data, dict):
-        raise ConfigError(f"policy file {path}: expected a table/object at the top level")
-    unknown = sorted(set(data) - _POLICY_KEYS)
-    if unknown:
-        raise ConfigError(f"policy file {path}: unknown keys {unknown}; allowed: {sorted(_POLICY_KEYS)}")
-    policy = dict(data)
-    for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
-        if key in policy:
-            table = policy[key]
-            fields = {f.name for f in dataclasses.fields(cls)}
-            if not isinstance(table, dict) or set(table) - fields:
-                bad = sorted(set(table) - fields) if isinstance(table, dict) else table
-                raise ConfigError(f"policy file {path}: [{key}] has unknown fields {bad}; allowed: {sorted(fields)}")
-            policy[key] = cls(**table)
-    return policy
-
 
 def callbacks_from_env() -> List[Any]:
     """Entry point for `lightning.pytorch.callbacks_factory` (and `pytorch_lightning.callbacks_factory`):
-    a ResiliencyCallback when LM_RESILIENCY is set, otherwise nothing."""
-    policy = policy_from_env()
+    a ResiliencyCallback when LM_RESILIENCY is set, otherwise nothing. The variables and policy
+    files are `lm_resiliency.config.ResiliencyPolicy`'s, shared with the Accelerate flag."""
+    policy = ResiliencyPolicy.from_environment()
     if policy is None:
         return []
-    callback = ResiliencyCallback(**policy)
+    callback = ResiliencyCallback(**policy.arguments())
     callback.from_entry_point = True
     return [callback]
 
 
-__all__ = ["ResiliencyCallback", "callbacks_from_env", "policy_from_env", "replay_metrics", "oob_metrics"]
+__all__ = ["ResiliencyCallback", "callbacks_from_env", "replay_metrics", "oob_metrics"]

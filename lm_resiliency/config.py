@@ -1,11 +1,14 @@
-"""Configuration objects. Every field is validated at construction; errors name the field."""
+"""Configuration objects (every field validated at construction; errors name the field), and the one
+parser of the `LM_RESILIENCY*` environment and its policy files (`ResiliencyPolicy`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 _MIB = 1024 * 1024
 
@@ -77,3 +80,204 @@ class InMemoryCkptConfig:
         _require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                  and math.isfinite(self.timeout_s) and self.timeout_s > 0, name, "timeout_s",
                  f"must be a positive, finite number of seconds, got {self.timeout_s!r}")
+
+
+def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptConfig], replay: Any,
+                    where: str) -> Tuple[InMemoryCkptConfig, Any]:
+    """(InMemoryCkptConfig, ReplayHarnessConfig) from a framework surface's `interval`, `checkpoint`
+    and `replay` arguments: `interval`, when given, is the shared GEMINI capture and SCOUT check
+    cadence. `where` names the surface in errors, e.g. "ResiliencyPlugin"."""
+    from lm_resiliency.scout.config import ReplayHarnessConfig
+
+    if interval is not None and (not _is_int(interval) or interval < 1):
+        raise ConfigError(f"{where}(interval=...): must be a positive int number of optimizer steps, "
+                          f"got {interval!r}")
+    config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
+    if not isinstance(config, InMemoryCkptConfig):
+        raise TypeError(f"{where}(checkpoint=...): expected an InMemoryCkptConfig, got {type(config).__name__}")
+    replay_config = replay if replay is not None else ReplayHarnessConfig()
+    if not isinstance(replay_config, ReplayHarnessConfig):
+        raise TypeError(f"{where}(replay=...): expected a ReplayHarnessConfig, got {type(replay_config).__name__}")
+    if interval is not None:
+        config = dataclasses.replace(config, interval=interval)
+        replay_config = dataclasses.replace(replay_config, check_interval=interval)
+    return config, replay_config
+
+
+# ------------------------------------------------------------------ settings and the opt-in policy
+
+# The keys every settings mapping accepts: a policy file, the DeepSpeed config's "lm_resiliency" section.
+SETTINGS_KEYS = ("interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "recovery_mode")
+POLICY_SCHEMA_VERSION = 1
+# What Accelerate's prepared dataloaders do after a recovery (see lm_resiliency.adapters.accelerate).
+DATALOADER_RESUME_MODES = ("auto", "continue", "manual")
+ENABLE_ENV = "LM_RESILIENCY"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def read_settings(data: Any, where: str, field_prefix: str) -> Dict[str, Any]:
+    """Validated `enable_resiliency` keyword arguments from a mapping of `SETTINGS_KEYS`:
+    `interval` (int), `checkpoint` / `replay` (tables of InMemoryCkptConfig / ReplayHarnessConfig
+    fields), `enable_checkpoint` / `enable_detection` (bool), `recovery_mode` ("latest" or
+    "recovery_verified"). Errors are ConfigError: `where` names the mapping, `field_prefix + key`
+    the offending field."""
+    from lm_resiliency.recovery import RecoveryMode
+    from lm_resiliency.scout.config import ReplayHarnessConfig
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be an object/table, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(SETTINGS_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted keys: {list(SETTINGS_KEYS)}")
+    values: Dict[str, Any] = {}
+    if "interval" in data:
+        if not _is_int(data["interval"]) or data["interval"] < 1:
+            raise ConfigError(f"{field_prefix}interval: must be a positive int, got {data['interval']!r}")
+        values["interval"] = data["interval"]
+    for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
+        if key not in data:
+            continue
+        table = data[key]
+        if not isinstance(table, dict):
+            raise ConfigError(f"{field_prefix}{key}: must be an object/table of {cls.__name__} fields, got {table!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(table) - known)
+        if bad:
+            raise ConfigError(f"{field_prefix}{key}: unknown {cls.__name__} field(s) {bad}; accepted: {sorted(known)}")
+        try:
+            values[key] = cls(**table)
+        except ConfigError as exc:
+            raise ConfigError(f"{field_prefix}{key}: {exc}") from None
+    for key in ("enable_checkpoint", "enable_detection"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ConfigError(f"{field_prefix}{key}: must be true or false, got {data[key]!r}")
+            values[key] = data[key]
+    if "recovery_mode" in data:
+        try:
+            values["recovery_mode"] = RecoveryMode(data["recovery_mode"])
+        except ValueError:
+            raise ConfigError(f"{field_prefix}recovery_mode: must be one of {[m.value for m in RecoveryMode]}, "
+                              f"got {data['recovery_mode']!r}") from None
+    return values
+
+
+@dataclass(frozen=True)
+class ResiliencyPolicy:
+    """What the zero-code opt-ins enable (Lightning's `callbacks_factory` entry point, Accelerate's
+    launcher bootstrap): the `LM_RESILIENCY*` environment, optionally with a policy file.
+
+    LM_RESILIENCY                      1/true/yes/on: enable; unset/empty/0/false/no/off: inert
+                                       (nothing else is read); any other value: a policy file path
+    LM_RESILIENCY_INTERVAL             capture (and SCOUT check) every N optimizer steps (default 10)
+    LM_RESILIENCY_DIR                  node-local checkpoint folder (checkpoint.disk_folder)
+    LM_RESILIENCY_DISK_FLUSH_INTERVAL  flush to it every N steps (checkpoint.disk_flush_interval; 0: never)
+    LM_RESILIENCY_SHM_DIR              host-slot directory (checkpoint.shared_memory_dir)
+    LM_RESILIENCY_DETECTION            1/0: SCOUT on/off (enable_detection)
+    LM_RESILIENCY_DATALOADER_RESUME    Accelerate only: auto, continue or manual
+    LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
+
+    A policy file (`.toml`, or `.json` with the same structure) is strict and versioned:
+    `schema_version = 1` plus any of `SETTINGS_KEYS`; variables that are set override it.
+    """
+
+    interval: Optional[int] = None
+    checkpoint: Optional[InMemoryCkptConfig] = None
+    replay: Any = None  # a ReplayHarnessConfig
+    enable_checkpoint: bool = True
+    enable_detection: bool = True
+    recovery_mode: Any = None  # a RecoveryMode
+    resume_dataloaders: Optional[str] = None
+    source: Optional[str] = None  # the policy file, if any
+
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["ResiliencyPolicy"]:
+        """The policy `LM_RESILIENCY*` asks for, or None when LM_RESILIENCY is off. Bad values and
+        bad policy files raise ConfigError naming the variable, or the file and the field."""
+        env = os.environ if environ is None else environ
+        switch = env.get(ENABLE_ENV, "").strip()
+        if switch.lower() in ("",) + _OFF:
+            return None
+        policy = cls() if switch.lower() in _ON else cls.from_file(switch)
+        values: Dict[str, Any] = {}
+        interval = _env_int(env, "LM_RESILIENCY_INTERVAL", 1)
+        if interval is not None:
+            values["interval"] = interval
+        overrides: Dict[str, Any] = {}
+        for name, field in (("LM_RESILIENCY_DIR", "disk_folder"), ("LM_RESILIENCY_SHM_DIR", "shared_memory_dir")):
+            if env.get(name, "").strip():
+                overrides[field] = env[name].strip()
+        flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
+        if flush is not None:
+            overrides["disk_flush_interval"] = flush
+        if overrides:
+            values["checkpoint"] = dataclasses.replace(policy.checkpoint or InMemoryCkptConfig(), **overrides)
+        detection = env.get("LM_RESILIENCY_DETECTION", "").strip().lower()
+        if detection:
+            if detection not in _ON + _OFF:
+                raise ConfigError(f"LM_RESILIENCY_DETECTION={env['LM_RESILIENCY_DETECTION']!r}: expected 1 "
+                                  "(SCOUT on) or 0 (off)")
+            values["enable_detection"] = detection in _ON
+        resume = env.get("LM_RESILIENCY_DATALOADER_RESUME", "").strip().lower()
+        if resume:
+            if resume not in DATALOADER_RESUME_MODES:
+                raise ConfigError(f"LM_RESILIENCY_DATALOADER_RESUME={resume!r}: expected one of "
+                                  f"{DATALOADER_RESUME_MODES}")
+            values["resume_dataloaders"] = resume
+        return dataclasses.replace(policy, **values)
+
+    @classmethod
+    def from_file(cls, path: str) -> "ResiliencyPolicy":
+        """A policy file: `schema_version = 1` and any of `SETTINGS_KEYS` (see `read_settings`)."""
+        if not os.path.isfile(path):
+            raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
+                              "and no such file exists")
+        where = f"policy file {path}"
+        kind = os.path.splitext(path)[1].lower()
+        if kind not in (".toml", ".json"):
+            raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
+        try:
+            if kind == ".toml":
+                import tomllib
+
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            else:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+        except ImportError:
+            raise ConfigError(f"{where}: TOML needs Python 3.11+ (tomllib); write the policy as .json") from None
+        except ValueError as exc:  # TOMLDecodeError and JSONDecodeError
+            raise ConfigError(f"{where}: not valid {kind[1:].upper()}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a table/object at the top level")
+        version = data.get("schema_version")
+        if version != POLICY_SCHEMA_VERSION or isinstance(version, bool):
+            raise ConfigError(f"{where}: schema_version: expected {POLICY_SCHEMA_VERSION}, got "
+                              f"{'nothing' if version is None else repr(version)}")
+        settings = {k: v for k, v in data.items() if k != "schema_version"}
+        return cls(source=path, **read_settings(settings, where, f"{where}: "))
+
+    def arguments(self) -> Dict[str, Any]:
+        """The `enable_resiliency` keyword arguments this policy sets (unset ones are left out)."""
+        values = {"interval": self.interval, "checkpoint": self.checkpoint, "replay": self.replay,
+                  "recovery_mode": self.recovery_mode}
+        arguments = {k: v for k, v in values.items() if v is not None}
+        for key in ("enable_checkpoint", "enable_detection"):
+            if not getattr(self, key):
+                arguments[key] = False
+        return arguments
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> Optional[int]:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value

@@ -125,6 +125,78 @@ def train_with_plugin(rank, world, folder, run_id, epochs=3, accum=2, kill_after
     return {"resumed": resumed, "captured": captured, "batches": batches, "steps": steps, "state": state}
 
 
+def build_deepspeed(stage, accum=2):
+    """The same setup under Accelerate's DeepSpeed integration (ZeRO `stage`, torch AdamW, a torch
+    StepLR that Accelerate keeps as an AcceleratedScheduler since DeepSpeed only takes its own).
+
+    Not `cpu=True`: Accelerate 1.15 turns DeepSpeed off for it (`AcceleratorState`: DEEPSPEED only
+    "and not cpu"). On a CPU-only machine the engine runs on DeepSpeed's CPU accelerator anyway, and
+    the gloo backend is named explicitly (the ranks' process group already exists)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    np.random.seed(rank)
+    random.seed(rank)
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 100  # weights partitioned, the small head persistent
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10_000}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
+
+
+def train_deepspeed(rank, world, stage, folder, run_id, kill_after=None, epochs=3):
+    """ResiliencyPlugin under Accelerate's DeepSpeed integration; `folder=None` runs plain Accelerate +
+    DeepSpeed. Returns what resumed, what was captured, how the steps were driven, and the final state
+    (DeepSpeed's view: gathered and partitioned parameters, ZeRO optimizer state, engine counters;
+    Accelerate's: scheduler, accelerator.step, sampler generator; the RNG streams)."""
+    from tests.frameworks.deepspeed_workloads import final_state as engine_state, init_ranks
+
+    init_ranks(rank)
+    accelerator, model, optimizer, loader, scheduler = build_deepspeed(stage)
+    out = {"resumed": None, "captured": [], "batches": 0}
+    session = plugin = None
+    if folder is not None:
+        from lm_resiliency import InMemoryCkptConfig
+        from lm_resiliency.callbacks.accelerate import ResiliencyPlugin
+
+        plugin = ResiliencyPlugin(interval=2, checkpoint=InMemoryCkptConfig(
+            disk_folder=folder, disk_flush_interval=2, run_id=run_id, replication_jump=1, timeout_s=60,
+            shared_memory_dir=folder + ".shm"))
+        session = plugin.attach(accelerator)
+        out["resumed"] = session.step_count
+        save = session.manager.save
+        session.manager.save = lambda state, step: (out["captured"].append(step), save(state, step))[1]
+    for epoch in range(epochs):
+        for x, y in loader:
+            micro_step(accelerator, model, optimizer, scheduler, x, y)
+            out["batches"] += 1
+            if kill_after is not None and accelerator.sync_gradients and session.step_count == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is flushed or closed
+    state = engine_state(model, stage, {})
+    state.update(scheduler=scheduler.state_dict(), accelerator_step=accelerator.step,
+                 sampler_generator=loader.synchronized_generator.get_state())
+    out["state"] = state
+    if plugin is not None:
+        hooks = plugin.adapter._hooks
+        inner = model.optimizer.optimizer  # the torch AdamW inside the ZeRO optimizer
+        out["driven_by"] = {"adapter": type(plugin.adapter).__name__, "hooks": type(hooks).__name__,
+                            "engine_steps": hooks.managed_steps, "step_count": session.step_count,
+                            "global_steps": model.global_steps, "wrapper": type(optimizer).__name__,
+                            "torch_optimizer_hooks": len(inner._optimizer_step_pre_hooks)
+                            + len(inner._optimizer_step_post_hooks)}
+        plugin.close()
+    return out
+
+
 def main(argv=None):
     """A plain Accelerate training script: no lm-resiliency anywhere. Saves its final state."""
     parser = argparse.ArgumentParser()

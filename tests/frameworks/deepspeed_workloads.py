@@ -14,6 +14,7 @@ every run's ranks from it with `tests.harness.run_ranks`, so each run starts in 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import multiprocessing as mp
 import os
 import random
@@ -160,7 +161,7 @@ def final_state(engine, stage: int, counter: dict) -> Dict[str, Any]:
         "partitions": partitions,
         "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
         "optimizer": _plain(engine.optimizer.state_dict()),
-        "lr_scheduler": engine.lr_scheduler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "lr": [g["lr"] for g in engine.optimizer.param_groups],
         "engine": [engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps],
         "torch_rng": torch.get_rng_state(),
@@ -366,12 +367,14 @@ def config_section(rank: int, world: int, folder: str) -> Dict[str, Any]:
 def _zygote_main(conn) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     try:
-        import deepspeed  # noqa: F401 - the expensive imports every rank needs, done once
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 - imported by deepspeed.initialize
+        # The expensive imports every rank needs, done once (deepspeed.initialize imports the muon optimizer).
+        for name in ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "lm_resiliency"):
+            importlib.import_module(name)
         from deepspeed.comm.torch import build_shm_op
 
         build_shm_op()  # compiles the CPU comm op into TORCH_EXTENSIONS_DIR on first use (minutes), else loads it
-        import lm_resiliency  # noqa: F401
+        if importlib.util.find_spec("accelerate") is not None:  # for Accelerate's DeepSpeed integration
+            importlib.import_module("accelerate")
         import tests.harness as harness
 
         harness._CTX = mp.get_context("fork")  # ranks inherit the imports above

@@ -2,6 +2,7 @@
 LM_RESILIENCY flag. A killed run resumes at the last captured step and finishes bitwise equal to an
 uninterrupted one, with gradient accumulation; misuse gets a clear error."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ pytest.importorskip("accelerate")
 from tests.distributed.gemini_workloads import assert_same  # noqa: E402
 from tests.frameworks.accelerate_workloads import run_script, train_with_plugin  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+
+from lm_resiliency.callbacks.accelerate import ResiliencyPlugin  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = os.path.join(ROOT, "tests", "frameworks", "accelerate_workloads.py")
@@ -51,6 +54,36 @@ def test_killed_run_resumes_bitwise_with_gradient_accumulation(tmp_path, kill_af
         assert resumed[rank]["captured"] == [s for s in (2, 4, 6, 8) if s > resumed_at]
         assert resumed[rank]["steps"] == 9
         assert_same(resumed[rank]["state"], baseline[rank]["state"])
+
+
+DEEPSPEED = "tests.frameworks.accelerate_workloads:train_deepspeed"
+
+
+# Accelerate's DeepSpeed integration (Accelerator(deepspeed_plugin=...)): the same loop and cadence as
+# above (9 optimizer steps, captures at 2, 4, 6, 8), killed after step 5 -> resumed at 4, mid-epoch 1.
+@pytest.mark.timeout(240, func_only=True)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_integration_killed_run_resumes_bitwise(deepspeed_zygote, tmp_path, stage):
+    if importlib.util.find_spec("transformers") is None:  # Accelerate's DeepSpeedPlugin imports it
+        pytest.skip("Accelerate's DeepSpeed integration needs transformers (the test extra installs it)")
+    baseline = deepspeed_zygote.run(DEEPSPEED, 2, stage, None, None, timeout=80)
+    folder, run_id = str(tmp_path / "gemini"), _run_id(f"ds{stage}")
+    killed = deepspeed_zygote.run(DEEPSPEED, 2, stage, folder, run_id, 5, timeout=80, check=False)
+    assert [o.killed_by for o in killed] == [9, 9], [o.error for o in killed]
+    resumed = deepspeed_zygote.run(DEEPSPEED, 2, stage, folder, run_id, timeout=80)
+    for rank in range(2):
+        out = resumed[rank]
+        assert (out["resumed"], out["captured"], out["batches"]) == (4, [6, 8], 8)
+        # The DeepSpeed engine's step() drove every capture: its hooks counted the 5 optimizer steps of
+        # this run, the prepared optimizer is Accelerate's no-op wrapper, and no torch optimizer hook exists.
+        assert out["driven_by"] == {"adapter": "AccelerateDeepSpeedAdapter", "hooks": "DeepSpeedEngineHooks",
+                                    "engine_steps": 5, "step_count": 9, "global_steps": 9,
+                                    "wrapper": "DeepSpeedOptimizerWrapper", "torch_optimizer_hooks": 0}
+        assert baseline[rank]["batches"] == 15
+        assert_same(out["state"], baseline[rank]["state"])
+    if stage == 3:  # partitioned: each rank restored its own slice of the weights
+        assert not all(a.equal(b) for a, b in zip(resumed[0]["state"]["partitions"].values(),
+                                                  resumed[1]["state"]["partitions"].values()))
 
 
 def _load(path):
@@ -181,31 +214,31 @@ def test_misuse_gets_clear_errors():
     assert "expected an accelerate.Accelerator" in errors["not_an_accelerator"]
 
 
-def test_flag_values():
-    from lm_resiliency.callbacks.accelerate import flag_settings, main
-    from lm_resiliency.config import ConfigError
+def test_flag_reads_the_shared_policy_and_refuses_bad_values_before_the_script_runs(tmp_path):
+    """The flag and Lightning's entry point read one ResiliencyPolicy (tests/unit/test_config.py);
+    here: what the plugin gets from it, and the bootstrap's exit 2 on a bad value."""
+    from lm_resiliency.callbacks.accelerate import flag_plugin_arguments, main
+    from lm_resiliency.config import ResiliencyPolicy
 
-    for off in ({}, {"LM_RESILIENCY": ""}, {"LM_RESILIENCY": "0"}, {"LM_RESILIENCY": "off"},
-                {"LM_RESILIENCY": "false", "LM_RESILIENCY_INTERVAL": "not-read-when-off"}):
-        assert flag_settings(off) is None
-    on = flag_settings({"LM_RESILIENCY": "1", "LM_RESILIENCY_INTERVAL": "5", "LM_RESILIENCY_DIR": "/tmp/x",
-                        "LM_RESILIENCY_DETECTION": "0", "LM_RESILIENCY_DATALOADER_RESUME": "continue"})
-    assert on["interval"] == 5 and on["checkpoint"].disk_folder == "/tmp/x"
-    assert on["enable_detection"] is False and on["resume_dataloaders"] == "continue"
-    for bad, name in (({"LM_RESILIENCY": "maybe"}, "LM_RESILIENCY="),
-                      ({"LM_RESILIENCY": "1", "LM_RESILIENCY_INTERVAL": "0"}, "LM_RESILIENCY_INTERVAL"),
-                      ({"LM_RESILIENCY": "1", "LM_RESILIENCY_DATALOADER_RESUME": "rewind"},
-                       "LM_RESILIENCY_DATALOADER_RESUME")):
-        with pytest.raises(ConfigError, match=name):
-            flag_settings(bad)
-    old = os.environ.get("LM_RESILIENCY")
-    os.environ["LM_RESILIENCY"] = "maybe"
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main([WORKLOAD, "--out", "/nonexistent"])  # refused before the script runs
-        assert exit_info.value.code == 2
-    finally:
-        if old is None:
-            del os.environ["LM_RESILIENCY"]
-        else:
-            os.environ["LM_RESILIENCY"] = old
+    policy = tmp_path / "policy.toml"
+    policy.write_text('schema_version = 1\ninterval = 4\n[checkpoint]\nrun_id = "r"\n')
+    arguments = flag_plugin_arguments(ResiliencyPolicy.from_environment(
+        {"LM_RESILIENCY": str(policy), "LM_RESILIENCY_DIR": "/tmp/x", "LM_RESILIENCY_DETECTION": "0",
+         "LM_RESILIENCY_DATALOADER_RESUME": "continue"}))
+    plugin = ResiliencyPlugin(**arguments)
+    assert plugin.checkpoint.interval == 4 and plugin.replay.check_interval == 4
+    assert (plugin.checkpoint.disk_folder, plugin.checkpoint.run_id) == ("/tmp/x", "r")
+    assert plugin.resume_dataloaders == "continue" and arguments["enable_detection"] is False
+    assert flag_plugin_arguments(ResiliencyPolicy())["resume_dataloaders"] == "auto"
+    for bad in ("maybe", str(tmp_path / "missing.toml")):
+        old = os.environ.get("LM_RESILIENCY")
+        os.environ["LM_RESILIENCY"] = bad
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main([WORKLOAD, "--out", "/nonexistent"])  # refused before the script runs
+            assert exit_info.value.code == 2
+        finally:
+            if old is None:
+                del os.environ["LM_RESILIENCY"]
+            else:
+                os.environ["LM_RESILIENCY"] = old

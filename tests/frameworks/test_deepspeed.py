@@ -17,18 +17,15 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 from tests.distributed.gemini_workloads import assert_same  # noqa: E402
-from tests.frameworks.deepspeed_workloads import DeepSpeedZygote  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90, func_only=True)
 
 STEPS, KILL_AFTER, INTERVAL = 9, 7, 2
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    process = DeepSpeedZygote()
-    yield process
-    process.close()
+@pytest.fixture
+def zygote(deepspeed_zygote):
+    return deepspeed_zygote
 
 
 VARIANTS = {  # id: (stage, precision, CPU offload, managed gradient accumulation, client optimizer+scheduler)

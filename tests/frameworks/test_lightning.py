@@ -246,42 +246,17 @@ def test_entry_point_is_inert_when_unset(tmp_path):
     assert "lm-resiliency" not in stderr
 
 
-def test_policy_from_env_parses_switch_and_policy_files(tmp_path):
-    from lm_resiliency.callbacks.lightning import ConfigError, policy_from_env
-
-    assert policy_from_env({}) is None
-    assert policy_from_env({"LM_RESILIENCY": "0"}) is None and policy_from_env({"LM_RESILIENCY": "off"}) is None
-    assert policy_from_env({"LM_RESILIENCY": "1"}) == {}
-    assert policy_from_env({"LM_RESILIENCY": "true", "LM_RESILIENCY_INTERVAL": "5"}) == {"interval": 5}
-    toml = tmp_path / "policy.toml"
-    toml.write_text('interval = 3\nenable_detection = false\n[checkpoint]\ndisk_folder = "/tmp/g"\n'
-                    'run_id = "r"\n[replay]\nhang_stall_threshold_s = 60.0\n')
-    policy = policy_from_env({"LM_RESILIENCY": str(toml)})
-    assert policy["interval"] == 3 and policy["enable_detection"] is False
-    assert policy["checkpoint"].disk_folder == "/tmp/g" and policy["replay"].hang_stall_threshold_s == 60.0
-    as_json = tmp_path / "policy.json"
-    as_json.write_text(json.dumps({"interval": 4, "run_id": "j"}))
-    assert policy_from_env({"LM_RESILIENCY": str(as_json)}) == {"interval": 4, "run_id": "j"}
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"intervall": 4}))
-    with pytest.raises(ConfigError, match="unknown keys \\['intervall'\\]"):
-        policy_from_env({"LM_RESILIENCY": str(bad)})
-    bad.write_text(json.dumps({"checkpoint": {"interval_s": 4}}))
-    with pytest.raises(ConfigError, match="interval_s"):
-        policy_from_env({"LM_RESILIENCY": str(bad)})
-    with pytest.raises(ConfigError, match="no such file"):
-        policy_from_env({"LM_RESILIENCY": str(tmp_path / "missing.toml")})
-    with pytest.raises(ConfigError, match="LM_RESILIENCY_INTERVAL"):
-        policy_from_env({"LM_RESILIENCY": "1", "LM_RESILIENCY_INTERVAL": "0"})
-    # The variables the Accelerate flag reads, overriding a policy file.
-    policy = policy_from_env({"LM_RESILIENCY": str(toml), "LM_RESILIENCY_DIR": "/tmp/d",
-                              "LM_RESILIENCY_SHM_DIR": "/tmp/s", "LM_RESILIENCY_DISK_FLUSH_INTERVAL": "0",
-                              "LM_RESILIENCY_DETECTION": "1"})
-    assert policy["disk_folder"] == "/tmp/d" and policy["enable_detection"] is True
-    assert policy["checkpoint"].shared_memory_dir == "/tmp/s" and policy["checkpoint"].disk_flush_interval == 0
-    assert policy["checkpoint"].run_id == "r"
-    with pytest.raises(ConfigError, match="LM_RESILIENCY_DETECTION"):
-        policy_from_env({"LM_RESILIENCY": "1", "LM_RESILIENCY_DETECTION": "maybe"})
+@pytest.mark.timeout(120)
+def test_entry_point_takes_a_policy_file(tmp_path):
+    # LM_RESILIENCY=<policy file>: the same ResiliencyPolicy the Accelerate flag reads (parsing and its
+    # errors: tests/unit/test_config.py); the relative disk_folder lands in the script's directory.
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'schema_version = 1\ninterval = 2\nenable_detection = false\n[checkpoint]\n'
+                      f'disk_folder = "checkpoints"\nrun_id = "policy-file-test"\n'
+                      f'shared_memory_dir = "{tmp_path / "shm"}"\n')
+    result, _ = _run_script(tmp_path, "policy", {"LM_RESILIENCY": str(policy)})
+    assert result["callbacks"] == ["ResiliencyCallback"] and result["interval"] == 2 and result["gemini_dir"]
+    assert result["captured_step"] == 2
 
 
 # ------------------------------------------------------------------ misuse

@@ -1,12 +1,16 @@
-"""InMemoryCkptConfig: the guide's defaults, field-named validation errors, immutability."""
+"""InMemoryCkptConfig: the guide's defaults, field-named validation errors, immutability. ResiliencyPolicy:
+the one parser of the LM_RESILIENCY* environment and policy files (Lightning entry point, Accelerate flag)."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 
 from lm_resiliency import InMemoryCkptConfig
-from lm_resiliency.config import ConfigError
+from lm_resiliency.config import ConfigError, ResiliencyPolicy, read_settings
+from lm_resiliency.recovery import RecoveryMode
+from lm_resiliency.scout.config import ReplayHarnessConfig
 
 MIB = 1024 * 1024
 
@@ -85,3 +89,128 @@ def test_config_is_frozen():
         config.interval = 5  # type: ignore[misc]
     assert config.interval == 10
     assert dataclasses.replace(config, interval=5).interval == 5
+
+
+# ------------------------------------------------------------------ ResiliencyPolicy
+
+
+@pytest.mark.parametrize("environ", [{}, {"LM_RESILIENCY": ""}, {"LM_RESILIENCY": "0"}, {"LM_RESILIENCY": "off"},
+                                     {"LM_RESILIENCY": " False "}, {"LM_RESILIENCY": "no"},
+                                     {"LM_RESILIENCY": "0", "LM_RESILIENCY_INTERVAL": "not-read-when-off"}])
+def test_policy_unset_or_off_is_inert(environ):
+    assert ResiliencyPolicy.from_environment(environ) is None
+
+
+@pytest.mark.parametrize("switch", ["1", "true", "YES", "on"])
+def test_policy_switch_on_sets_nothing_else(switch):
+    policy = ResiliencyPolicy.from_environment({"LM_RESILIENCY": switch})
+    assert policy == ResiliencyPolicy() and policy.arguments() == {}
+
+
+def test_policy_variables():
+    policy = ResiliencyPolicy.from_environment({
+        "LM_RESILIENCY": "1", "LM_RESILIENCY_INTERVAL": "5", "LM_RESILIENCY_DIR": "/tmp/g",
+        "LM_RESILIENCY_SHM_DIR": "/tmp/s", "LM_RESILIENCY_DISK_FLUSH_INTERVAL": "0", "LM_RESILIENCY_DETECTION": "0",
+        "LM_RESILIENCY_DATALOADER_RESUME": "continue"})
+    assert policy.arguments() == {"interval": 5, "enable_detection": False, "checkpoint": InMemoryCkptConfig(
+        disk_folder="/tmp/g", shared_memory_dir="/tmp/s", disk_flush_interval=0)}
+    assert policy.resume_dataloaders == "continue" and policy.source is None
+
+
+POLICY_TOML = """schema_version = 1
+interval = 3
+enable_detection = false
+recovery_mode = "recovery_verified"
+
+[checkpoint]
+disk_folder = "/tmp/g"
+run_id = "r"
+disk_flush_interval = 4
+
+[replay]
+hang_stall_threshold_s = 60.0
+"""
+
+
+def test_policy_file_toml_and_json_say_the_same(tmp_path):
+    toml = tmp_path / "policy.toml"
+    toml.write_text(POLICY_TOML)
+    policy = ResiliencyPolicy.from_environment({"LM_RESILIENCY": str(toml)})
+    assert policy.source == str(toml)
+    assert policy.arguments() == {
+        "interval": 3, "enable_detection": False, "recovery_mode": RecoveryMode.RECOVERY_VERIFIED,
+        "checkpoint": InMemoryCkptConfig(disk_folder="/tmp/g", run_id="r", disk_flush_interval=4),
+        "replay": ReplayHarnessConfig(hang_stall_threshold_s=60.0)}
+    as_json = tmp_path / "policy.json"
+    as_json.write_text(json.dumps({"schema_version": 1, "interval": 3, "enable_detection": False,
+                                   "recovery_mode": "recovery_verified",
+                                   "checkpoint": {"disk_folder": "/tmp/g", "run_id": "r", "disk_flush_interval": 4},
+                                   "replay": {"hang_stall_threshold_s": 60.0}}))
+    assert ResiliencyPolicy.from_environment({"LM_RESILIENCY": str(as_json)}).arguments() == policy.arguments()
+
+
+def test_variables_override_the_policy_file(tmp_path):
+    toml = tmp_path / "policy.toml"
+    toml.write_text(POLICY_TOML)
+    policy = ResiliencyPolicy.from_environment({"LM_RESILIENCY": str(toml), "LM_RESILIENCY_INTERVAL": "7",
+                                                "LM_RESILIENCY_DIR": "/tmp/d", "LM_RESILIENCY_DETECTION": "1"})
+    assert policy.interval == 7 and policy.enable_detection is True
+    # Only the named checkpoint fields change; the file's other fields stay.
+    assert policy.checkpoint == InMemoryCkptConfig(disk_folder="/tmp/d", run_id="r", disk_flush_interval=4)
+
+
+BAD_FILES = [  # (file text, suffix, what the error must name besides the file)
+    ('schema_version = 1\nintervall = 3\n', ".toml", "unknown key(s) ['intervall']"),
+    ('interval = 3\n', ".toml", "schema_version: expected 1, got nothing"),
+    ('schema_version = 2\n', ".toml", "schema_version: expected 1, got 2"),
+    ('schema_version = 1\ninterval = 0\n', ".toml", ": interval: must be a positive int"),
+    ('schema_version = 1\nenable_detection = "no"\n', ".toml", ": enable_detection: must be true or false"),
+    ('schema_version = 1\nrecovery_mode = "newest"\n', ".toml", ": recovery_mode: must be one of"),
+    ('schema_version = 1\n[checkpoint]\ninterval_s = 4\n', ".toml",
+     ": checkpoint: unknown InMemoryCkptConfig field(s) ['interval_s']"),
+    ('schema_version = 1\n[checkpoint]\ndisk_flush_interval = -1\n', ".toml",
+     ": checkpoint: InMemoryCkptConfig.disk_flush_interval"),
+    ('schema_version = 1\n[replay]\nhang_stall_threshold_s = -1.0\n', ".toml",
+     ": replay: ReplayHarnessConfig.hang_stall_threshold_s"),
+    ('schema_version = 1\ncheckpoint = 3\n', ".toml", ": checkpoint: must be an object/table"),
+    ('schema_version = 1\ninterval = \n', ".toml", "not valid TOML"),
+    ('{"schema_version": 1, "interval": 3,}', ".json", "not valid JSON"),
+    ('[1, 2]', ".json", "expected a table/object at the top level"),
+]
+
+
+@pytest.mark.parametrize("text, suffix, message", BAD_FILES, ids=[m for _, _, m in BAD_FILES])
+def test_malformed_policy_file_names_the_file_and_the_field(tmp_path, text, suffix, message):
+    path = tmp_path / f"policy{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        ResiliencyPolicy.from_environment({"LM_RESILIENCY": str(path)})
+    assert f"policy file {path}" in str(info.value) and message in str(info.value)
+
+
+def test_missing_or_unsuffixed_policy_file_is_refused(tmp_path):
+    for value in ("maybe", str(tmp_path / "missing.toml")):
+        with pytest.raises(ConfigError, match="LM_RESILIENCY=.*no such file exists"):
+            ResiliencyPolicy.from_environment({"LM_RESILIENCY": value})
+    yaml = tmp_path / "policy.yaml"
+    yaml.write_text("interval: 3\n")
+    with pytest.raises(ConfigError, match="must end in .toml or .json"):
+        ResiliencyPolicy.from_environment({"LM_RESILIENCY": str(yaml)})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("LM_RESILIENCY_INTERVAL", "0"), ("LM_RESILIENCY_INTERVAL", "ten"), ("LM_RESILIENCY_DISK_FLUSH_INTERVAL", "-1"),
+    ("LM_RESILIENCY_DETECTION", "maybe"), ("LM_RESILIENCY_DATALOADER_RESUME", "rewind"),
+])
+def test_bad_variable_is_named(name, value):
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        ResiliencyPolicy.from_environment({"LM_RESILIENCY": "1", name: value})
+
+
+def test_read_settings_is_the_deepspeed_section_parser_too():
+    assert read_settings({"interval": 2, "enable_checkpoint": False}, "section", "section.") == {
+        "interval": 2, "enable_checkpoint": False}
+    with pytest.raises(ConfigError, match=r"^section: must be an object/table, got list"):
+        read_settings([], "section", "section.")
+    with pytest.raises(ConfigError, match=r"^section\.interval: must be a positive int, got True"):
+        read_settings({"interval": True}, "section", "section.")
