@@ -400,7 +400,7 @@ def breakdown(s: dict) -> str:
              f"{pc['without_probe_mean_s'] * 1e3:.1f} ms slowest rank"]
     if b["_before_optimizer_step"] is not None:
         replays = b["replay_embedding"] + b["replay_hidden"] + b["replay_output"] + b["optimizer_check"]
-        parts = [("replay forwards + shadow optimizer step", replays - b["signatures"]),
+        parts = [("replay (forward, backward) + shadow optimizer step", replays - b["signatures"]),
                  ("signatures", b["signatures"]), ("JSON all-gathers (plan, signatures)", b["json_gather"]),
                  ("input broadcasts", b["broadcast"]),
                  ("rest (encode/decode, vote, straggler statistics)", b["_before_optimizer_step"] - replays
