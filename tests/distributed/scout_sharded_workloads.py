@@ -183,3 +183,27 @@ def sharded_run(rank: int, world: int, kind: str, folder: str, steps: int, fault
         _equal(with_scout["losses"], without["losses"]) and _equal(with_scout["final"], without["final"]))
     del with_scout["losses"], with_scout["final"]
     return with_scout
+
+
+def unknown_layout(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    """A parameter on a ('dp', 'pp') mesh: SCOUT must not guess peers. Returns what the session did."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
+    model = w.make_model()
+    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.detach(), mesh["dp"], [Replicate()]))
+    warnings: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("lm_resiliency.scout.harness").addHandler(handler)
+    session = enable_resiliency(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), interval=2,
+        checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="scout-unknown", timeout_s=60),
+        replay=ReplayHarnessConfig(hang_stall_threshold_s=120, monitor_poll_interval_s=0.5))
+    out = {"detector": session.scout.detector is not None, "ledger": session.ledger is not None,
+           "monitor": session.scout.monitor is not None, "warnings": warnings}
+    session.close()
+    return out

@@ -118,3 +118,9 @@ def test_peer_groups_from_topology():
 def test_unknown_layouts_are_refused_not_guessed(descriptor, mesh, message):
     with pytest.raises(UnknownLayoutError, match=message):
         peer_groups_from_topology(descriptor, 4, mesh)
+
+
+def test_unknown_mesh_turns_replay_off_with_a_warning(tmp_path):
+    for out in run_ranks(sw.unknown_layout, 4, str(tmp_path), timeout=120):
+        assert (out["detector"], out["ledger"], out["monitor"]) == (False, False, True)
+        assert any("replay checks" in m and "['pp']" in m for m in out["warnings"]), out["warnings"]
