@@ -91,20 +91,28 @@ def final_state(accelerator, model, optimizer, scheduler, loader):
 
 
 def train_with_plugin(rank, world, folder, run_id, epochs=3, accum=2, kill_after=None,
-                      resume_dataloaders="auto"):
-    """ResiliencyPlugin attached after prepare(). Returns (resumed step, captured steps, batches
-    this process consumed, final state)."""
+                      resume_dataloaders="auto", entry_point=False):
+    """ResiliencyPlugin attached after prepare() (`entry_point=True`: through
+    lm_resiliency.integrations.accelerate.enable_resiliency instead). Returns (resumed step, captured
+    steps, batches this process consumed, final state)."""
     from lm_resiliency import InMemoryCkptConfig
-    from lm_resiliency.callbacks.accelerate import ResiliencyPlugin
+    from lm_resiliency.callbacks.accelerate import ResiliencyPlugin, get_session
+    from lm_resiliency.integrations.accelerate import enable_resiliency
 
     accelerator, model, optimizer, loader, scheduler = build(accum)
-    plugin = ResiliencyPlugin(
+    settings = dict(
         interval=2, resume_dataloaders=resume_dataloaders,
         # A private host-slot directory: GEMINI reaps dead runs' slots in its directory, and other
         # tests on this machine must not reap the killed run's slots before it restarts.
         checkpoint=InMemoryCkptConfig(disk_folder=folder, disk_flush_interval=2, run_id=run_id,
                                       replication_jump=1, timeout_s=60, shared_memory_dir=folder + ".shm"))
-    session = plugin.attach(accelerator)
+    if entry_point:
+        session = enable_resiliency(accelerator, **settings)
+        assert get_session(accelerator) is session
+        plugin = accelerator.__dict__["_lm_resiliency_plugin"]
+    else:
+        plugin = ResiliencyPlugin(**settings)
+        session = plugin.attach(accelerator)
     resumed = session.step_count
     captured = []
     save = session.manager.save

@@ -38,6 +38,15 @@ def _run_id(tag):
     (5, 4, 8, "manual"),   # the loop starts at resume_epoch and calls plugin.skip_first_batches
 ], ids=["mid-epoch", "epoch-end", "continue-loop", "manual-loop"])
 def test_killed_run_resumes_bitwise_with_gradient_accumulation(tmp_path, kill_after, resumed_at, batches_left, mode):
+    _kill_and_resume(tmp_path, kill_after, resumed_at, batches_left, mode, entry_point=False)
+
+
+def test_explicit_entry_point_resumes_bitwise(tmp_path):
+    """lm_resiliency.integrations.accelerate.enable_resiliency(accelerator, ...) is the same plugin."""
+    _kill_and_resume(tmp_path, 5, 4, 8, "auto", entry_point=True)
+
+
+def _kill_and_resume(tmp_path, kill_after, resumed_at, batches_left, mode, entry_point):
     baseline = run_ranks(train_with_plugin, 2, str(tmp_path / "baseline"), _run_id("base"), 3, 2, None, mode,
                          timeout=60)
     for rank in range(2):
@@ -45,9 +54,10 @@ def test_killed_run_resumes_bitwise_with_gradient_accumulation(tmp_path, kill_af
         assert baseline[rank]["captured"] == [2, 4, 6, 8]
         assert (baseline[rank]["resumed"], baseline[rank]["steps"], baseline[rank]["batches"]) == (0, 9, 15)
     folder, run_id = str(tmp_path / "managed"), _run_id("kill")
-    killed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, kill_after, mode, timeout=60, check=False)
+    killed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, kill_after, mode, entry_point, timeout=60,
+                       check=False)
     assert [o.killed_by for o in killed] == [9, 9], [o.error for o in killed]
-    resumed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, None, mode, timeout=60)
+    resumed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, None, mode, entry_point, timeout=60)
     for rank in range(2):
         assert resumed[rank]["resumed"] == resumed_at
         assert resumed[rank]["batches"] == batches_left  # the data position resumed, not the epoch start

@@ -147,15 +147,12 @@ def test_single_process_with_validation_and_checkpoint_callbacks_resumes_exactly
     assert_same(resumed["state"], baseline["state"])
 
 
-def test_pytorch_lightning_alias(tmp_path):
-    pl = pytest.importorskip("pytorch_lightning")
+def _tiny(base):
+    """A minimal single-process LightningModule on `base` (lightning.pytorch's or pytorch_lightning's)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lm_resiliency import InMemoryCkptConfig
-    from lm_resiliency.callbacks.lightning import ResiliencyCallback
-
-    class Tiny(pl.LightningModule):
+    class Tiny(base):
         def __init__(self):
             super().__init__()
             self.layer = torch.nn.Linear(8, 1)
@@ -169,14 +166,53 @@ def test_pytorch_lightning_alias(tmp_path):
         def train_dataloader(self):
             return DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4)
 
+    return Tiny()
+
+
+def test_pytorch_lightning_alias(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.callbacks.lightning import ResiliencyCallback
+
     callback = ResiliencyCallback(interval=2, run_id="pl-alias", checkpoint=InMemoryCkptConfig(
         disk_folder=str(tmp_path / "g"), host_memory="heap"))
     assert isinstance(callback, pl.Callback)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
                          default_root_dir=str(tmp_path))
-    trainer.fit(Tiny())
+    trainer.fit(_tiny(pl.LightningModule))
     assert callback.topology.kind == "single" and callback.captured_step == 2
+
+
+def test_explicit_entry_point_adds_the_callback_and_resumes(tmp_path):
+    """lm_resiliency.integrations.lightning.enable_resiliency(trainer, ...): the same ResiliencyCallback,
+    placed before ModelCheckpoint as Trainer(callbacks=[...]) would; a second fit of the run resumes from
+    the step-4 capture its first fit flushed to disk."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.callbacks.lightning import ResiliencyCallback
+    from lm_resiliency.integrations.lightning import enable_resiliency
+
+    config = InMemoryCkptConfig(disk_folder=str(tmp_path / "g"), disk_flush_interval=2,
+                                shared_memory_dir=str(tmp_path / "shm"))
+    recovered = []
+    for max_steps in (4, 6):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                            callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))], enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(tmp_path))
+        callback = enable_resiliency(trainer, interval=2, run_id="integration-entry", checkpoint=config,
+                                     enable_detection=False)
+        assert isinstance(callback, ResiliencyCallback)
+        assert [type(cb).__name__ for cb in trainer.callbacks][-2:] == ["ResiliencyCallback", "ModelCheckpoint"]
+        with pytest.raises(ValueError, match="already has a ResiliencyCallback"):
+            enable_resiliency(trainer, interval=2)
+        trainer.fit(_tiny(L.LightningModule))
+        recovered.append(callback.recovered_step)
+    assert recovered == [None, 4] and trainer.global_step == 6
+    with pytest.raises(TypeError, match="expected a Lightning Trainer"):
+        enable_resiliency(object())
 
 
 # ------------------------------------------------------------------ zero-code opt-in
