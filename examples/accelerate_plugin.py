@@ -9,8 +9,12 @@
 
     python examples/accelerate_plugin.py --self-test   # runs both commands above and checks the resume
 
+    # the same with Accelerate's DeepSpeed integration (ZeRO-2): the same attach line hooks the engine
+    python examples/accelerate_plugin.py --self-test --deepspeed 2
+
 (On CPU use torchrun with `Accelerator(cpu=True)`; `accelerate launch --cpu --num_processes 2`
-starts a single process.)
+starts a single process. Accelerate switches DeepSpeed off for `cpu=True`, so with --deepspeed the
+accelerator names the gloo backend instead; its DeepSpeedPlugin needs `transformers` installed.)
 """
 
 from __future__ import annotations
@@ -40,9 +44,20 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def main(out: str, epochs: int, kill_after: int | None) -> None:
+def make_accelerator(zero_stage: int | None) -> Accelerator:
+    if zero_stage is None:
+        return Accelerator(cpu=True, gradient_accumulation_steps=2)
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    # DeepSpeed compiles its CPU comm op once; keep it next to the interpreter for later runs.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=2),
+                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+
+
+def main(out: str, epochs: int, kill_after: int | None, zero_stage: int | None) -> None:
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = make_accelerator(zero_stage)
     data = torch.utils.data.TensorDataset(torch.randn(40, 32), torch.randn(40, 4))
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     model = Net()
@@ -51,11 +66,12 @@ def main(out: str, epochs: int, kill_after: int | None) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # After prepare(): captures every 2 optimizer steps (never per micro-batch) and, on a restart,
-    # restores model, optimizer, scheduler, RNG and the dataloader position before returning.
+    # restores model, optimizer, scheduler, RNG and the dataloader position before returning. Under
+    # DeepSpeed the prepared optimizer's step() is a no-op: attach hooks the DeepSpeed engine instead.
     resiliency = ResiliencyPlugin(
         interval=2,
         checkpoint=InMemoryCkptConfig(disk_folder=os.path.join(out, "gemini"), disk_flush_interval=2,
-                                      run_id="accelerate-example"),
+                                      run_id="accelerate-example" + (f"-zero{zero_stage}" if zero_stage else "")),
     ).attach(accelerator)
     accelerator.print(f"starting after optimizer step {resiliency.step_count}")
 
@@ -77,14 +93,22 @@ def main(out: str, epochs: int, kill_after: int | None) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
     accelerator.print(f"done after optimizer step {resiliency.step_count}")
     resiliency.close()
+    if zero_stage is not None:
+        # A process that imported DeepSpeed can abort at interpreter exit (gloo threads outlive the
+        # process group; docs/frameworks.md): leave right after the cleanup.
+        accelerator.end_training()
+        sys.stdout.flush()
+        os._exit(0)
 
 
-def self_test() -> int:
+def self_test(zero_stage: int | None) -> int:
     import tempfile
 
     out = tempfile.mkdtemp(prefix="accelerate-example-")
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             os.path.abspath(__file__), "--out", out]
+    if zero_stage is not None:
+        base += ["--deepspeed", str(zero_stage)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.run(base + ["--kill-after", "5"], env=env, capture_output=True, text=True, timeout=300)
     print(first.stdout)
@@ -107,6 +131,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="/tmp/lm-resiliency-accelerate-example")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--deepspeed", type=int, choices=(1, 2, 3), default=None, metavar="ZERO_STAGE",
+                        help="train under Accelerate's DeepSpeed integration with this ZeRO stage")
     parser.add_argument("--self-test", action="store_true")
     args = parser.parse_args()
-    sys.exit(self_test() if args.self_test else main(args.out, args.epochs, args.kill_after))
+    sys.exit(self_test(args.deepspeed) if args.self_test else main(args.out, args.epochs, args.kill_after,
+                                                                  args.deepspeed))

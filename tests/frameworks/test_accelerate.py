@@ -96,6 +96,23 @@ def test_deepspeed_integration_killed_run_resumes_bitwise(deepspeed_zygote, tmp_
                                                   resumed[1]["state"]["partitions"].values()))
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("deepspeed", [None, "2"], ids=["multi-cpu", "deepspeed-zero2"])
+def test_plugin_example_self_test(deepspeed):
+    """examples/accelerate_plugin.py under torchrun: killed after step 5, resumed after step 4, and every
+    repeated step prints exactly the loss of the crashed run; also under Accelerate's DeepSpeed integration."""
+    extra = []
+    if deepspeed is not None:
+        if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
+            pytest.skip("needs deepspeed and transformers")
+        extra = ["--deepspeed", deepspeed]
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "accelerate_plugin.py"), "--self-test",
+                           *extra], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "OK: resumed at the last captured step" in done.stdout
+
+
 def _load(path):
     return torch.load(path, weights_only=False)
 
