@@ -1,5 +1,6 @@
-"""Backward replay of a sampled dense module: its output gradient from the real backward, then
-the gradients of a private recomputation with respect to its inputs and parameters.
+"""Backward replay of a sampled module whose parameters are whole on every peer (dense, or
+FSDP/HSDP once unsharded): its output gradient from the real backward, then the gradients of a
+private recomputation with respect to its inputs and parameters.
 
 On the source, `OutputGradCapture` puts a tensor hook on each output of the module's first call
 (not a module full-backward hook, which would rewrap the module's outputs in training). The

@@ -109,6 +109,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _whole_when_unsharded(param: torch.Tensor, peers: Sequence[int]) -> bool:
+    """A plain tensor, or a DTensor whose every mesh dimension runs within the peer group (FSDP
+    and HSDP dimensions, which an unshard gathers), not across it (TP)."""
+    if not _is_dtensor(param):
+        return True
+    mesh = param.device_mesh
+    return all(set(dist.get_process_group_ranks(mesh.get_group(i))) <= set(peers) for i in range(mesh.ndim))
+
+
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`value` (nested tuples, lists and dicts) with `fn` applied to every tensor."""
     if isinstance(value, torch.Tensor):
@@ -179,8 +188,8 @@ class _SeededRng:
 
 
 class _Capture:
-    """Forward pre-hook that stores one invocation's inputs, then removes itself; for a dense
-    module also that call's output gradient from the real backward (`OutputGradCapture`)."""
+    """Forward pre-hook that stores one invocation's inputs, then removes itself; for a module
+    with a backward replay also that call's output gradient from the real backward (`OutputGradCapture`)."""
 
     def __init__(self, detector: "ReplayDetector", path: str, module: nn.Module, step: int) -> None:
         self.path, self.step = path, step
@@ -256,12 +265,15 @@ class ReplayDetector:
         self.catalog = ModuleCatalog.of(self._root)
         # FSDP modules to unshard around each sampled module's replay (none for dense and TP-only models).
         self._fsdp: Dict[str, List[nn.Module]] = {}
-        # Dense modules also get a backward replay (their output gradient is captured on the source).
+        # Modules whose parameters are whole on every peer (dense, or FSDP/HSDP once unsharded) also
+        # get a backward replay; TP modules do not (their backward would add TP collectives).
         self._backward: set = set()
         for check in ACTIVATION_CHECKS:
             for path, module in self._candidates(check):
                 self._fsdp[path] = self._fsdp_owners(path, check)
-                if not self._fsdp[path] and not any(_is_dtensor(p) for p in module.parameters()):
+                params = list(module.parameters())
+                if all(_whole_when_unsharded(p, self.group_ranks) for p in params) and \
+                        (self._fsdp[path] or not any(_is_dtensor(p) for p in params)):
                     self._backward.add(path)
         self._names = {id(p): name for name, p in self._root.named_parameters()}
         self._captures: Dict[str, _Capture] = {}
@@ -495,7 +507,8 @@ class ReplayDetector:
             # The header is identical on every peer, so every peer raises here together.
             raise ReplayError(f"step {step} {check} check on {path!r}: malformed shared invocation: {exc}") from exc
         # The source shared an output gradient: the same forward, with grad, then a backward.
-        backward = "grad_outputs" in invocation and path in self._backward
+        backward = "grad_outputs" in invocation and path in self._backward and \
+            not any(_is_dtensor(p) for p in module.parameters())
         try:
             args, kwargs = _to_device(invocation["args"], device), _to_device(invocation["kwargs"], device)
             leaves: List[torch.Tensor] = []

@@ -4,7 +4,7 @@ Every run trains `scout_workloads.TinyLM` (Embedding -> 3 Blocks with dropout ->
 `enable_resiliency`, with embedding, blocks, head and the root `fully_shard`-ed (FSDP2 on a 1-D
 mesh; HSDP on a 2x2 mesh, with each block's Linear sharded on its own as well), or with
 `parallelize_module` tensor parallelism over the 'tp' dimension of a ('dp', 'tp') mesh. A fault
-is a test-side forward hook on ONE rank's sampled hidden layer.
+is a test-side forward (or full backward) hook on ONE rank's sampled hidden layer.
 Each run is repeated without SCOUT in the same processes: the two must train bitwise alike.
 """
 
@@ -108,7 +108,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _train_once(rank: int, kind: str, steps: int, folder: Optional[str], fault_rank: Optional[int],
-                fault_step: int) -> Dict[str, Any]:
+                fault_step: int, fault: str = "sign_flip") -> Dict[str, Any]:
     torch.manual_seed(0)
     model = _build(kind)
     group = _dp_group(kind)
@@ -137,7 +137,11 @@ def _train_once(rank: int, kind: str, steps: int, folder: Optional[str], fault_r
     for step in range(1, steps + 1):
         if rank == fault_rank and step == fault_step:
             path = session.scout.detector.sampled("hidden", step)[0]
-            model.get_submodule(path).register_forward_hook(w.FAULTS["sign_flip"], with_kwargs=True)
+            target = model.get_submodule(path)
+            if fault in w.BACKWARD_FAULTS:
+                target.register_full_backward_hook(w.BACKWARD_FAULTS[fault])
+            else:
+                target.register_forward_hook(w.FAULTS[fault], with_kwargs=True)
         loss = model(w._batch(rank if group is None else rank // 2, step)).pow(2).mean()
         loss.backward()
         _average(model, group)
@@ -175,9 +179,9 @@ def faulty_shadow_step(rank: int, world: int, kind: str, folder: str, fault_rank
 
 
 def sharded_run(rank: int, world: int, kind: str, folder: str, steps: int, fault_rank: Optional[int] = None,
-                fault_step: int = 0) -> Dict[str, Any]:
+                fault_step: int = 0, fault: str = "sign_flip") -> Dict[str, Any]:
     """Train with SCOUT (checks every 2 steps), then the same run without it; report both."""
-    with_scout = _train_once(rank, kind, steps, folder, fault_rank, fault_step)
+    with_scout = _train_once(rank, kind, steps, folder, fault_rank, fault_step, fault)
     without = _train_once(rank, kind, steps, None, None, 0) if fault_rank is None else None
     with_scout["bitwise_equal_to_plain"] = None if without is None else (
         _equal(with_scout["losses"], without["losses"]) and _equal(with_scout["final"], without["final"]))

@@ -33,6 +33,20 @@ def test_hidden_sign_flip_localized_to_exactly_that_rank(tmp_path, kind, fault_r
         assert out["certified"] == [2]  # the SDC at step 4 vetoed that capture
 
 
+@pytest.mark.parametrize("kind,fault_rank", [("fsdp2", 0), ("hsdp", 3)])
+def test_backward_only_fault_localized_on_the_unsharded_module(tmp_path, kind, fault_rank):
+    outs = run_ranks(sw.sharded_run, 4, kind, str(tmp_path), 4, fault_rank, 4, "backward_sign_flip", timeout=240)
+    for out in outs:
+        result, reports = out["results"][4]
+        hidden = _checks(result, "hidden")[0]
+        assert hidden.verdict == "clean"  # the forward is healthy
+        backward = [c for c in _checks(result, "backward") if c.verdict != "clean"]
+        assert [(c.module_path, c.verdict, c.faulty) for c in backward] == [(hidden.module_path, "sdc", (fault_rank,))]
+        assert [(r.kind, r.scope, r.ranks, r.resource) for r in reports] == \
+            [(SDC, SCOPE_RANK, (fault_rank,), f"backward:{hidden.module_path}")]
+        assert out["unchanged"] == [2, 4]
+
+
 @pytest.mark.parametrize("kind", ["fsdp2", "hsdp"])
 def test_ten_clean_checks_report_nothing_and_training_is_bitwise_unchanged(tmp_path, kind):
     outs = run_ranks(sw.sharded_run, 4, kind, str(tmp_path), 20, timeout=280)
@@ -40,7 +54,8 @@ def test_ten_clean_checks_report_nothing_and_training_is_bitwise_unchanged(tmp_p
         assert sorted(out["results"]) == list(range(2, 21, 2))
         for step, (result, reports) in out["results"].items():
             assert reports == [] and result.healthy, (step, result)
-            assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters"}
+            assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters",
+                                                        "backward"}
         optimizer = [c for r, _ in out["results"].values() for c in _checks(r, "optimizer")]
         # Sharded parameters: every peer steps the source's own shard slice.
         assert all("[local shard of rank " in c.module_path for c in optimizer) and len(optimizer) == 10
