@@ -197,10 +197,12 @@ class PyTorchAdapter(FrameworkAdapter):
     # ------------------------------------------------------------------ hooks
 
     def install(self, callbacks: StepCallbacks) -> None:
+        # prepend: the capture reads state_dict(), which FSDP2 answers by resharding; it must run
+        # before FSDP's own pre-forward hook unshards the root's parameters for this forward.
         self._handles = [
             self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: callbacks.before_optimizer_step()),
             self.optimizer.register_step_post_hook(lambda opt, args, kwargs: callbacks.after_optimizer_step()),
-            self.model.register_forward_pre_hook(lambda module, args: callbacks.before_forward()),
+            self.model.register_forward_pre_hook(lambda module, args: callbacks.before_forward(), prepend=True),
         ]
 
     def replay_targets(self) -> tuple:

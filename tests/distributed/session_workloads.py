@@ -35,17 +35,19 @@ class Net(nn.Module):
 
 
 class Stack(nn.Module):
-    """A small layered model for FSDP2/HSDP (each layer is sharded separately)."""
+    """A small layered model for FSDP2/HSDP: each layer is sharded separately and the root keeps
+    a parameter of its own (`out`), which the root's FSDP unit unshards in its pre-forward hook."""
 
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
         self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(16, 16)
 
     def forward(self, x):
         for layer in self.layers:
             x = self.drop(torch.tanh(layer(x)))
-        return x
+        return self.out(x)
 
 
 def batch(step, rank, features):
