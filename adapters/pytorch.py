@@ -1,4 +1,5 @@
-"""Plain PyTorch adapter: single process, DDP, FSDP2 (1-D mesh) and HSDP (2-D mesh).
+"""Plain PyTorch adapter: single process, DDP, FSDP2 (1-D mesh), HSDP (2-D mesh) and tensor
+parallelism (a device mesh with a `tp` or `tensor_parallel` dimension, alone or with data parallel).
 
 Capture reads `model.state_dict()` (DDP: the wrapped module; FSDP2/HSDP: DTensors, whose
 local shards GEMINI stores) and `optimizer.state_dict()`. Restore copies the recovered
@@ -9,6 +10,7 @@ parameters' mesh, so a fresh process never needs the original sharding call agai
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +136,10 @@ class PyTorchAdapter(FrameworkAdapter):
     # --------------------------------------------------------------- topology
 
     def _mesh(self):
+        # The root mesh: a TP-only or FSDP-only submesh describes just part of the layout.
         for param in self.module.parameters():
             if _is_dtensor(param):
-                return param.device_mesh
+                return param.device_mesh._get_root_mesh()
         return None
 
     def topology(self) -> Topology:
@@ -145,6 +149,13 @@ class PyTorchAdapter(FrameworkAdapter):
             replicate, shard = int(info.dp_replicate), int(info.dp_shard)
             kind = "hsdp" if replicate > 1 and shard > 1 else ("fsdp2" if shard > 1 else "ddp")
             descriptor = {"kind": kind, "dp_replicate": replicate, "dp_shard": shard}
+        elif mesh is not None and MODEL_PARALLEL_DIMS & set(mesh.mesh_dim_names or ()):
+            sizes = dict(zip(mesh.mesh_dim_names, (int(d) for d in mesh.shape)))
+            tp = math.prod(size for name, size in sizes.items() if name in MODEL_PARALLEL_DIMS)
+            replicate, shard = mesh.size() // tp, 1
+            kind = "tp" if replicate == 1 else "dp_tp"
+            descriptor = {"kind": kind, "mesh_shape": list(sizes.values()), "mesh_dim_names": list(sizes),
+                          "coordinate": list(mesh.get_coordinate() or []), "tp": tp}
         elif mesh is not None:
             shape = list(mesh.shape)
             names = list(mesh.mesh_dim_names or [])

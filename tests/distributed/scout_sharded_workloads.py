@@ -154,6 +154,7 @@ def _train_once(rank: int, kind: str, steps: int, folder: Optional[str], fault_r
         detector = session.scout.detector
         out.update(results={s: (r, replay_fault_reports(r)) for s, r in results.items()}, unchanged=unchanged,
                    group_ranks=None if detector is None else detector.group_ranks,
+                   topology=session.adapter.topology().descriptor,
                    certified=session.ledger is not None and session.ledger.verified_steps())
         session.close()
     return out

@@ -88,6 +88,8 @@ def test_faulty_optimizer_step_on_a_sharded_parameter_is_caught(tmp_path, kind, 
 def test_dp2_tp2_groups_and_peer_group_scope_report(tmp_path):
     outs = run_ranks(sw.sharded_run, 4, "tp", str(tmp_path), 4, 2, 4, timeout=240)
     assert [out["group_ranks"] for out in outs] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [(out["topology"]["kind"], out["topology"]["tp"], out["topology"]["dp_replicate"]) for out in outs] \
+        == [("dp_tp", 2, 2)] * 4
     for rank, out in enumerate(outs):
         result, reports = out["results"][4]
         if rank in (0, 2):
