@@ -19,20 +19,33 @@ def decode_json(data: torch.Tensor) -> Any:
     return json.loads(bytes(data.numpy().tobytes()).decode("utf-8"))
 
 
+_FIRST_ROUND_BYTES = 16384  # most agreement documents fit: one collective instead of two
+
+
 def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
-    """Every rank's JSON value, ordered by group rank. Single-process: `[value]`."""
+    """Every rank's JSON value, ordered by group rank. Single-process: `[value]`.
+
+    One all-gather of a fixed-size frame (length + document); a second, exactly sized round
+    only when some rank's document did not fit."""
     if not dist.is_initialized():
         return [json.loads(json.dumps(value, allow_nan=False))]
     world = dist.get_world_size(group)
     payload = encode_json(value)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s.item()) for s in sizes)
+    frame = torch.zeros(8 + _FIRST_ROUND_BYTES, dtype=torch.uint8)
+    frame[:8].view(torch.int64)[0] = payload.numel()
+    head = payload[:_FIRST_ROUND_BYTES]
+    frame[8:8 + head.numel()] = head
+    frames = [torch.empty_like(frame) for _ in range(world)]
+    dist.all_gather(frames, frame, group=group)
+    sizes = [int(f[:8].view(torch.int64)[0]) for f in frames]
+    longest = max(sizes)
+    if longest <= _FIRST_ROUND_BYTES:
+        return [decode_json(f[8:8 + n]) for f, n in zip(frames, sizes)]
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
-    return [decode_json(g[: int(s.item())]) for g, s in zip(gathered, sizes)]
+    return [decode_json(g[:n]) for g, n in zip(gathered, sizes)]
 
 
 def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:

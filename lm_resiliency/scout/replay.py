@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,17 @@ from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
 from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.invocation import (
+    Autocast,
+    SeededRng,
+    autocast_regions,
+    clone_inputs,
+    map_tensors,
+    module_device,
+    sync_device,
+    tensors_in,
+    to_device,
+)
 from lm_resiliency.scout.peers import CLEAN, vote
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
@@ -118,75 +129,6 @@ def _whole_when_unsharded(param: torch.Tensor, peers: Sequence[int]) -> bool:
     return all(set(dist.get_process_group_ranks(mesh.get_group(i))) <= set(peers) for i in range(mesh.ndim))
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`value` (nested tuples, lists and dicts) with `fn` applied to every tensor."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple):
-        return tuple(_map_tensors(v, fn) for v in value)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value
-
-
-def _clone_inputs(value: Any, by_value: bool) -> Any:
-    return _map_tensors(value, lambda t: t.detach().clone() if by_value else t.detach())
-
-
-def _tensors_in(value: Any) -> List[torch.Tensor]:
-    """Every tensor in a (nested) module output, in a deterministic order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    if hasattr(value, "__dataclass_fields__"):
-        return [t for name in value.__dataclass_fields__ for t in _tensors_in(getattr(value, name))]
-    return []
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """A private copy of every tensor on `device` (the replay may modify its inputs in place)."""
-    return _map_tensors(value, lambda t: t.to(device, copy=True))
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _SeededRng:
-    """Fork the CPU RNG (and the module's CUDA device RNG) and seed both; restore on exit."""
-
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self._seed = seed
-        self._cuda = device.index if device.type == "cuda" else None
-        if device.type == "cuda" and self._cuda is None:
-            self._cuda = torch.cuda.current_device()
-        self._fork = torch.random.fork_rng(devices=[] if self._cuda is None else [self._cuda])
-
-    def __enter__(self) -> None:
-        self._fork.__enter__()
-        torch.default_generator.manual_seed(self._seed)
-        if self._cuda is not None:
-            with torch.cuda.device(self._cuda):
-                torch.cuda.manual_seed(self._seed)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._fork.__exit__(*exc)
-
-
 class _Capture:
     """Forward pre-hook that stores one invocation's inputs, then removes itself; for a module
     with a backward replay also that call's output gradient from the real backward (`OutputGradCapture`)."""
@@ -199,15 +141,14 @@ class _Capture:
         self.done = False
         self._detector = detector
         self._handle = module.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
-        self.output_grads = OutputGradCapture(module, _tensors_in) if path in detector._backward else None
+        self.output_grads = OutputGradCapture(module, tensors_in) if path in detector._backward else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.done or self._detector._replaying:
             return None
         by_value = self._detector.config.capture_inputs_by_value
-        self.args, self.kwargs = _clone_inputs(args, by_value), _clone_inputs(kwargs, by_value)
-        self.autocast = [[dev, str(torch.get_autocast_dtype(dev)).removeprefix("torch.")]
-                         for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)]
+        self.args, self.kwargs = clone_inputs(args, by_value), clone_inputs(kwargs, by_value)
+        self.autocast = autocast_regions()
         self.done = True
         self._remove_pre_hook()  # the output-gradient hook stays until this call's output is seen
         return None
@@ -375,9 +316,9 @@ class ReplayDetector:
         """Replay and vote every check due at `step`. Collective over the group.
 
         Collectives: one JSON all-gather agreeing on the plan (and carrying the sources'
-        invocation headers), one uint8 broadcast per activation check (and per optimizer check
-        of a sharded parameter), one JSON all-gather of the signatures; with FSDP, the unshard
-        all-gathers over the FSDP mesh. Raises `ReplayError` on every peer when the peers' plans
+        invocation headers), one uint8 broadcast per source (all of its activation checks, and
+        the optimizer check of a sharded parameter), one JSON all-gather of the signatures; with
+        FSDP, the unshard all-gathers over the FSDP mesh. Raises `ReplayError` on every peer when the peers' plans
         differ."""
         _check_step(step)
         self._remove_captures()
@@ -395,14 +336,14 @@ class ReplayDetector:
                 headers[check], outgoing[check] = self._encode_optimizer_slice(step, path) \
                     if check == "optimizer" else self._encode_capture(check, path, step, captures.get(path))
         agreed = self._agree(step, plan, headers)
+        payloads = self._receive(step, plan, agreed, outgoing)
         local: List[dict] = []
         optimizer_doc = None
         for check, path, source in plan:
             if check == "optimizer" and source is None:
                 optimizer_doc = self._optimizer_check(step, None)
                 continue
-            header = agreed[source].get(check)
-            payload = self._receive(check, path, step, source, header, outgoing.get(check, []))
+            header, payload = agreed[source][check], payloads[check]
             if check == "optimizer":
                 optimizer_doc = self._optimizer_check(step, (header, payload))
             else:
@@ -451,25 +392,40 @@ class ReplayDetector:
                 raise ReplayError(f"step {step}: rank {rank} sent malformed invocation headers")
         return {rank: d["headers"] for rank, d in by_rank.items()}
 
-    def _receive(self, check: str, path: str, step: int, source: int, header: Optional[dict],
-                 tensors: List[torch.Tensor]) -> torch.Tensor:
-        """The source's flat invocation payload on every peer (one uint8 broadcast)."""
-        if not isinstance(header, dict) or not set(header) <= _HEADER_KEYS or \
-                (header.get("step"), header.get("check"), header.get("module")) != (step, check, path):
-            raise ReplayError(f"step {step} {check} check: source rank {source} sent no valid header for {path!r}")
-        if not header.get("ok"):
-            return torch.empty(0, dtype=torch.uint8)
-        try:
-            layout = Layout.from_json(header.get("layout"))
-        except StateSchemaError as exc:
-            raise ReplayError(f"step {step} {check} check: bad invocation layout from rank {source}: {exc}") from exc
-        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
-        if source == self._rank:
-            for view, t in zip(layout.views(buffer), tensors):
-                view.copy_(t.reshape(view.shape))
-        if self.group is not None and layout.total_bytes:
-            dist.broadcast(buffer, src=source, group=self.group)
-        return buffer
+    def _receive(self, step: int, plan: list, agreed: Dict[int, Dict[str, dict]],
+                 outgoing: Dict[str, List[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """Every shared invocation's flat payload on every peer, by check: one uint8 broadcast per
+        source, carrying all of that source's checks back to back (checks due together share a
+        source when their intervals are equal)."""
+        layouts: Dict[str, Layout] = {}
+        by_source: Dict[int, List[str]] = {}
+        for check, path, source in plan:
+            if source is None:
+                continue
+            header = agreed[source].get(check)
+            if not isinstance(header, dict) or not set(header) <= _HEADER_KEYS or \
+                    (header.get("step"), header.get("check"), header.get("module")) != (step, check, path):
+                raise ReplayError(f"step {step} {check} check: source rank {source} sent no valid header "
+                                  f"for {path!r}")
+            try:
+                layouts[check] = Layout.from_json(header.get("layout")) if header.get("ok") else Layout((), 0)
+            except StateSchemaError as exc:
+                raise ReplayError(f"step {step} {check} check: bad invocation layout from rank {source}: "
+                                  f"{exc}") from exc
+            by_source.setdefault(source, []).append(check)
+        payloads: Dict[str, torch.Tensor] = {}
+        for source, checks in by_source.items():
+            buffer = torch.empty(sum(layouts[c].total_bytes for c in checks), dtype=torch.uint8)
+            offset = 0
+            for check in checks:
+                payloads[check] = buffer.narrow(0, offset, layouts[check].total_bytes)
+                offset += layouts[check].total_bytes
+                if source == self._rank:
+                    for view, t in zip(layouts[check].views(payloads[check]), outgoing.get(check, [])):
+                        view.copy_(t.reshape(view.shape))
+            if self.group is not None and buffer.numel():
+                dist.broadcast(buffer, src=source, group=self.group)
+        return payloads
 
     def _replay_one(self, check: str, path: str, module: nn.Module, step: int, header: dict,
                     payload: torch.Tensor) -> dict:
@@ -490,7 +446,7 @@ class ReplayDetector:
 
     def _replay_on(self, check: str, path: str, module: nn.Module, step: int, header: dict,
                    payload: torch.Tensor, entry: Dict[str, Any]) -> None:
-        device = _module_device(module)
+        device = module_device(module)
         try:
             layout = Layout.from_json(header["layout"])
             leaves = layout.views(payload)
@@ -510,26 +466,26 @@ class ReplayDetector:
         backward = "grad_outputs" in invocation and path in self._backward and \
             not any(_is_dtensor(p) for p in module.parameters())
         try:
-            args, kwargs = _to_device(invocation["args"], device), _to_device(invocation["kwargs"], device)
+            args, kwargs = to_device(invocation["args"], device), to_device(invocation["kwargs"], device)
             leaves: List[torch.Tensor] = []
             saved = [(b, b.detach().clone()) for b in module.buffers()]
             self._replaying = True
             try:
-                with torch.set_grad_enabled(backward), _SeededRng(self.config.seed + step, device), \
-                        _autocast(header.get("autocast")):
+                with torch.set_grad_enabled(backward), SeededRng(self.config.seed + step, device), \
+                        Autocast(header.get("autocast")):
                     if backward:
-                        args, kwargs = _map_tensors((args, kwargs), lambda t: grad_leaf(t, leaves))
-                    _sync(device)
+                        args, kwargs = map_tensors((args, kwargs), lambda t: grad_leaf(t, leaves))
+                    sync_device(device)
                     begin = time.perf_counter()
                     out = module(*args, **kwargs)
-                    _sync(device)
+                    sync_device(device)
                     entry["time"] = time.perf_counter() - begin
             finally:
                 self._replaying = False
                 with torch.no_grad():
                     for buf, value in saved:
                         buf.copy_(value)
-            entry["out"] = structure_signature(_tensors_in(out))
+            entry["out"] = structure_signature(tensors_in(out))
         except Exception as exc:  # noqa: BLE001 - a failing replay is evidence, decided by the vote
             logger.warning("SCOUT replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -540,7 +496,7 @@ class ReplayDetector:
     def _replay_backward(self, check: str, path: str, module: nn.Module, out: Any, grad_outputs: list,
                          leaves: List[torch.Tensor], entry: Dict[str, Any]) -> None:
         try:
-            grads = replay_gradients(_tensors_in(out), _to_device(list(grad_outputs), _module_device(module)),
+            grads = replay_gradients(tensors_in(out), to_device(list(grad_outputs), module_device(module)),
                                      leaves, list(module.parameters()))
             entry["backward"] = structure_signature(grads)
         except Exception as exc:  # noqa: BLE001 - a failing backward replay is evidence, decided by the vote
@@ -638,18 +594,18 @@ class ReplayDetector:
         device = _local(param).device
         try:
             inputs = self._optimizer_slice(step) if shared is None else \
-                _to_device(self._shared_slice(step, label, shared), device)
+                to_device(self._shared_slice(step, label, shared), device)
             shadow = nn.Parameter(inputs["param"])
             shadow.grad = inputs["grad"]
             hyper = {key: value for key, value in self.optimizer.param_groups[index].items() if key != "params"}
             shadow_optimizer = _shadow_optimizer(self.optimizer, shadow, hyper)
             if inputs["state"]:
                 shadow_optimizer.state[shadow] = inputs["state"]
-            with _SeededRng(self.config.seed + step, device):
-                _sync(device)
+            with SeededRng(self.config.seed + step, device):
+                sync_device(device)
                 begin = time.perf_counter()
                 shadow_optimizer.step()
-                _sync(device)
+                sync_device(device)
                 entry["time"] = time.perf_counter() - begin
             new_state = shadow_optimizer.state.get(shadow, {})
             leaves = [shadow.detach()]
@@ -753,25 +709,6 @@ def json_roundtrip(value: Any) -> Any:
 def _check_step(step: int) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step must be a positive int (optimizer steps counted from 1), got {step!r}")
-
-
-class _autocast:
-    """Re-enter the autocast regions the source captured under (none: a no-op)."""
-
-    def __init__(self, regions: Optional[List[List[str]]]) -> None:
-        self._contexts = []
-        for device_type, dtype in regions or []:
-            dtype_obj = getattr(torch, dtype, None)
-            if isinstance(dtype_obj, torch.dtype):
-                self._contexts.append(torch.autocast(device_type, dtype=dtype_obj))
-
-    def __enter__(self) -> None:
-        for ctx in self._contexts:
-            ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for ctx in reversed(self._contexts):
-            ctx.__exit__(*exc)
 
 
 def _shadow_optimizer(live: torch.optim.Optimizer, shadow: nn.Parameter, hyper: dict) -> torch.optim.Optimizer:

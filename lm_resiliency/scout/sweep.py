@@ -43,17 +43,16 @@ from torch import nn
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.recovery import SweepOutcome
 from lm_resiliency.scout.peers import CLEAN, vote
-from lm_resiliency.scout.replay import (
-    ModuleCatalog,
-    ReplayDetector,
-    _autocast,
-    _clone_inputs,
-    _module_device,
-    _SeededRng,
-    _tensors_in,
-    _to_device,
-    unwrap_model,
+from lm_resiliency.scout.invocation import (
+    Autocast,
+    SeededRng,
+    autocast_regions,
+    clone_inputs,
+    module_device,
+    tensors_in,
+    to_device,
 )
+from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector, unwrap_model
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.signature import structure_signature
 
@@ -96,11 +95,6 @@ class _Incomplete(Exception):
 
 class _NotRun(Exception):
     """The group has no evidence to replay."""
-
-
-def _autocast_regions() -> List[List[str]]:
-    return [[device, str(torch.get_autocast_dtype(device)).removeprefix("torch.")]
-            for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
 
 
 def _catalog_modules(catalog: ModuleCatalog) -> List[Tuple[str, str, nn.Module]]:
@@ -148,8 +142,8 @@ class FullCatalogSweep:
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying:
             return None
-        self.latest = RecordedInvocation(self._armed_step, _clone_inputs(args, True), _clone_inputs(kwargs, True),
-                                         _autocast_regions(), module.training)
+        self.latest = RecordedInvocation(self._armed_step, clone_inputs(args, True), clone_inputs(kwargs, True),
+                                         autocast_regions(), module.training)
         self._remove_hook()
         return None
 
@@ -244,20 +238,20 @@ class FullCatalogSweep:
 
         def signer(path: str):
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
-                outputs[path].append(structure_signature(_tensors_in(output)))
+                outputs[path].append(structure_signature(tensors_in(output)))
             return hook
 
         params = {path: structure_signature(list(module.parameters())) for _, path, module in self._modules}
         handles = [module.register_forward_hook(signer(path)) for _, path, module in self._modules]
-        device = _module_device(self._root)
+        device = module_device(self._root)
         buffers = [(b, b.detach().clone()) for b in self._root.buffers()]
         modes = [(m, m.training) for m in self._root.modules()]
         self._replaying = True
         try:
-            args, kwargs = _to_device(tuple(invocation["args"]), device), _to_device(invocation["kwargs"], device)
+            args, kwargs = to_device(tuple(invocation["args"]), device), to_device(invocation["kwargs"], device)
             self._root.train(bool(header.get("training", True)))
-            with torch.no_grad(), _SeededRng(self.config.seed + int(header["step"]), device), \
-                    _autocast(header.get("autocast")):
+            with torch.no_grad(), SeededRng(self.config.seed + int(header["step"]), device), \
+                    Autocast(header.get("autocast")):
                 self._root(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the peers learn it and the sweep is incomplete
             logger.warning("SCOUT full replay sweep: the replay raised on rank %d: %s", self.rank, exc)
