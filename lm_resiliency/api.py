@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any, Callable, Dict, Optional
 
-from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.config import InMemoryCkptConfig, resolve_configs
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.certification import DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig
@@ -83,19 +82,7 @@ def enable_resiliency(
         interval, checkpoint, replay = section["interval"], section["checkpoint"], section["replay"]
         enable_checkpoint, enable_detection = section["enable_checkpoint"], section["enable_detection"]
         recovery_mode = section["recovery_mode"]
-    if interval is not None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"enable_resiliency(interval=...): must be a positive int, got {interval!r}")
-    config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
-    if not isinstance(config, InMemoryCkptConfig):
-        raise TypeError(f"checkpoint= must be an InMemoryCkptConfig, got {type(config).__name__}")
-    replay_config = replay if replay is not None else ReplayHarnessConfig()
-    if not isinstance(replay_config, ReplayHarnessConfig):
-        raise TypeError(f"replay= must be a ReplayHarnessConfig, got {type(replay_config).__name__}")
-    if interval is not None:
-        # The shared cadence: GEMINI capture and the base SCOUT check interval.
-        config = dataclasses.replace(config, interval=interval)
-        replay_config = dataclasses.replace(replay_config, check_interval=interval)
+    config, replay_config = resolve_configs(interval, checkpoint, replay, "enable_resiliency")
     mode = RecoveryMode(recovery_mode) if recovery_mode is not None else None
     adapter = _build_adapter(selected, model_or_trainer_or_engine, optimizer, config, framework_options)
     session = ResiliencySession(

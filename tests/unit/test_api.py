@@ -61,6 +61,19 @@ def test_unsupported_argument_is_a_type_error(tmp_path):
     assert not _lm_threads()
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"interval": 0}, ValueError, r"^enable_resiliency\(interval=\.\.\.\): must be a positive int"),
+    ({"interval": True}, ValueError, r"^enable_resiliency\(interval=\.\.\.\): must be a positive int"),
+    ({"checkpoint": object()}, TypeError, r"^enable_resiliency\(checkpoint=\.\.\.\): expected an InMemoryCkptConfig"),
+    ({"replay": object()}, TypeError, r"^enable_resiliency\(replay=\.\.\.\): expected a ReplayHarnessConfig"),
+])
+def test_wrong_cadence_or_config_objects_are_refused_before_anything_starts(kwargs, error, message):
+    model, optimizer = _objects()
+    with pytest.raises(error, match=message):
+        enable_resiliency(model, optimizer, **kwargs)
+    assert not _lm_threads()
+
+
 def test_group_without_nccl_group_is_a_value_error(tmp_path):
     model, optimizer = _objects()
     with pytest.raises(ValueError, match="pass both group= and nccl_group="):
