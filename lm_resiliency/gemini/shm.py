@@ -633,7 +633,9 @@ class SharedSlotArena:
                 return
             for name in list(self._maps):
                 self._drop(name)
+            removed_dir = self._dir
             if not keep and self._fd is not None:
+                removed_dir = self._retire_dir()
                 for name in SLOT_NAMES:
                     self._unlink(f"{name}.json")  # sidecars first: never READY without a segment
                 for name in SLOT_NAMES:
@@ -647,7 +649,7 @@ class SharedSlotArena:
             with _held_lock:
                 _held.discard(self._dir)
         if not keep:
-            for path in (self._dir, os.path.dirname(self._dir)):
+            for path in (removed_dir, os.path.dirname(self._dir)):
                 try:
                     os.rmdir(path)
                 except OSError as exc:
@@ -660,6 +662,19 @@ class SharedSlotArena:
                         self._rank, self._dir)
 
     # ------------------------------------------------------------------- internals
+
+    def _retire_dir(self) -> str:
+        """Rename this rank's directory to a temporary name of this process before emptying it:
+        another job's reaper then skips it (a temp of a live process) instead of finding a rank
+        directory without an owner record while it is being removed. Returns the path to remove."""
+        temp = os.path.join(os.path.dirname(self._dir),
+                            f".{self._rank_name}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            os.rename(self._dir, temp)
+        except OSError as exc:
+            logger.debug("GEMINI: removing %s in place: %s", self._dir, exc)
+            return self._dir
+        return temp
 
     def _check_open(self) -> None:
         if self._closed:
