@@ -7,8 +7,8 @@ import errno
 import json
 import logging
 import os
-import tempfile
-from typing import Any
+import secrets
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,34 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Make `data` visible at `path` only complete: temp file, fsync, rename, fsync the dir."""
+def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
+                 temp_name: Optional[str] = None) -> None:
+    """Make a file visible at `path` only complete: temp file, fsync, rename, fsync the dir.
+
+    `data` is the bytes, or a function that streams them into the open temp file. The temp
+    file is created in the same directory (never through a symlink, mode 0600) under
+    `temp_name`, or a random name; it is removed when anything fails before the rename."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    temp = os.path.join(directory, temp_name or f".{os.path.basename(path)}.tmp-{secrets.token_hex(8)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o600)
+    published = False
     try:
+        os.fchmod(fd, 0o600)  # whatever the umask
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fd = -1
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+        published = True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not published:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
     fsync_dir(directory)

@@ -48,7 +48,7 @@ from typing import Any, List, Optional, Set
 
 import torch
 
-from lm_resiliency.files import fsync_dir, loads_strict_json
+from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
 
 from lm_resiliency.codec import Layout, StateSchemaError
 
@@ -456,40 +456,16 @@ class NodeLocalStore:
                 logger.warning("could not remove stale temporary file %s: %s", path, exc)
 
     def _publish(self, final_name: str, write) -> None:
-        """Write via a same-directory temp file, fsync, rename onto `final_name`, fsync the dir."""
+        """Stream `write(file)` into a scoped temp file (reapable if this process dies) and publish
+        it atomically as `final_name` (files.atomic_write)."""
         self._reap_temps(final_name)
         final = os.path.join(self._dir, final_name)
-        temp = os.path.join(self._dir, self._temp_name(final_name))
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
-        published = False
         try:
-            fd = os.open(temp, flags, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                f = os.fdopen(fd, "wb")
-            except BaseException:
-                os.close(fd)
-                raise
-            with f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-            published = True
-            fsync_dir(self._dir)
+            atomic_write(final, write, temp_name=self._temp_name(final_name))
         except OSError as exc:
-            where = final if published else temp
-            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}",
-                          where) from exc
+            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}", final) from exc
         except RuntimeError as exc:  # torch's zip writer reports write failures this way
-            raise OSError(errno.EIO, f"publishing GEMINI file failed: {exc}", temp) from exc
-        finally:
-            if not published:
-                try:
-                    os.unlink(temp)
-                except OSError:
-                    pass
+            raise OSError(errno.EIO, f"publishing GEMINI file failed: {exc}", final) from exc
 
     def _unlink(self, path: str) -> bool:
         try:
