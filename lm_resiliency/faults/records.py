@@ -1,4 +1,5 @@
-"""Ground truth: one `FaultInjectionRecord` per executed (or refused) matching call."""
+"""Ground truth: one `FaultInjectionRecord` per executed (or refused) matching call, and one
+for each armed occurrence released unexecuted."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ class InjectionStatus(str, Enum):
     zeros). ALREADY_CLAIMED: the occurrence was claimed earlier (by this rank's predecessor or
     a concurrent replacement) and was not injected again. EXPIRED: its lifetime ended before any
     matching call. UNSUPPORTED: the executor cannot do it here (`detail` says why). FAILED: the
-    executor raised unexpectedly (`detail` has the error)."""
+    executor raised unexpectedly (`detail` has the error). ARMED: it was armed but the session
+    closed (or the clock was reset) before any matching call; it was never claimed, so the worker
+    that next reaches its tick arms it again."""
 
     INJECTED = "injected"
     NO_EFFECT = "no_effect"
@@ -27,6 +30,7 @@ class InjectionStatus(str, Enum):
     EXPIRED = "expired"
     UNSUPPORTED = "unsupported"
     FAILED = "failed"
+    ARMED = "armed"
 
 
 @dataclass(frozen=True)

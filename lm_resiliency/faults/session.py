@@ -1,11 +1,12 @@
 """FaultInjectionSession: binds a campaign to a model and optimizer with hooks only.
 
 The optimizer post-step hook is the iteration boundary: it advances the `training_iteration`
-clock and arms the occurrences due in the new iteration (claiming each in the campaign state
-store first). Armed faults then meet their matching calls through hooks: module forward
-(pre-)hooks, optimizer pre/post-step hooks, the root module's first forward of each iteration,
-and batches of a wrapped data loader. Every execution becomes a `FaultInjectionRecord` in the
-campaign journal. The training loop is not changed.
+clock and arms the occurrences due in the new iteration. Armed faults then meet their matching
+calls through hooks: module forward (pre-)hooks, optimizer pre/post-step hooks, the root
+module's first forward of each iteration, and batches of a wrapped data loader. An occurrence is
+claimed in the campaign state store right before its first fault is performed, so a worker that
+stops between arming and the matching call leaves it to its successor. Every execution becomes a
+`FaultInjectionRecord` in the campaign journal. The training loop is not changed.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class _Activation:
     tick: int
     armed_iteration: int
     faults: Tuple[FaultSpec, ...]
+    claim_key: str
+    claimed: Optional[bool] = None  # None: not yet tried; False: another worker of this rank has it
     calls: Dict[str, int] = field(default_factory=dict)
     contexts: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     dead: set = field(default_factory=set)  # fault ids that must not run again (unsupported)
@@ -227,13 +230,17 @@ class FaultInjectionSession:
 
     def set_iteration(self, completed_steps: int) -> None:
         """Re-align the clock after an in-process recovery restored `completed_steps`: armed
-        occurrences are dropped (recorded as expired if they never ran) and the next iteration's
-        occurrences are armed; restart-stable ids and claims make replayed ones safe."""
+        occurrences are dropped (recorded as armed if they never ran, so a replayed tick arms
+        them again) and the next iteration's occurrences are armed; restart-stable ids and
+        claims make replayed ones that already ran safe."""
         if not isinstance(completed_steps, int) or completed_steps < 0:
             raise ValueError(f"set_iteration: completed_steps must be a non-negative int, "
                              f"got {completed_steps!r}")
-        for act in list(self._activations.values()):
-            self._retire(act)
+        for act in self._activations.values():
+            if act.claimed is None:
+                self._release(act)
+            else:
+                self._retire(act)
         self._activations.clear()
         self._iteration = completed_steps + 1
         self._arm()
@@ -253,13 +260,17 @@ class FaultInjectionSession:
                         world_size=world_size or self._world_size, window_iterations=window_iterations)
 
     def close(self) -> None:
-        """Remove every hook, release held resources and the session's own sandbox. Idempotent."""
+        """Remove every hook, release held resources and the session's own sandbox. Idempotent.
+        Occurrences armed but not yet performed are recorded as armed and left unclaimed."""
         if self._closed:
             return
         self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for act in self._activations.values():
+            if act.claimed is None:
+                self._release(act)
         self._activations.clear()
         if self._own_sandbox and self._sandbox_root is not None:
             shutil.rmtree(self._sandbox_root, ignore_errors=True)
@@ -392,13 +403,11 @@ class FaultInjectionSession:
             key = f"{occurrence_id}/rank-{self._rank}"
             if incident.retrigger is RetriggerPolicy.EVERY_GENERATION:
                 key += f"/generation-{self.generation}"
-            owner = {"rank": self._rank, "pid": os.getpid(), "host": self._host,
-                     "generation": self.generation, "iteration": self._iteration, "time": time.time()}
-            act = _Activation(incident, occurrence_id, tick, self._iteration, specs)
-            if not claim(self.state_store, key, owner):
-                for spec in specs:
-                    self._record(act, spec, InjectionStatus.ALREADY_CLAIMED, 0, {"claim": key},
-                                 "claimed earlier by another worker of this rank")
+            act = _Activation(incident, occurrence_id, tick, self._iteration, specs, key)
+            if key in self.state_store.load().get("claims", {}):
+                # Performed earlier (a replayed iteration): not armed at all. The claim itself
+                # is taken only when a fault is about to run (`_claim`).
+                self._record_already_claimed(act)
                 continue
             previous = self._activations.pop(incident.incident_id, None)
             if previous is not None:
@@ -418,6 +427,13 @@ class FaultInjectionSession:
                 del self._activations[incident_id]
                 self._retire(act)
 
+    def _release(self, act: _Activation) -> None:
+        """Journal an occurrence dropped before any of its faults ran; it stays unclaimed."""
+        for spec in act.faults:
+            if spec.fault_id not in act.dead:
+                self._record(act, spec, InjectionStatus.ARMED, 0, {"claim": act.claim_key},
+                             "released before any matching call; not claimed")
+
     def _retire(self, act: _Activation) -> None:
         for spec in act.faults:
             if act.calls.get(spec.fault_id, 0) == 0 and spec.fault_id not in act.dead:
@@ -436,8 +452,28 @@ class FaultInjectionSession:
         os.makedirs(path, exist_ok=True)
         return path
 
+    def _claim(self, act: _Activation) -> bool:
+        """Claim `act`'s occurrence right before its first fault is performed. Exactly one of
+        the workers of this rank that race here wins; the others stand the occurrence down."""
+        if act.claimed is None:
+            owner = {"rank": self._rank, "pid": os.getpid(), "host": self._host,
+                     "generation": self.generation, "iteration": self._iteration, "time": time.time()}
+            act.claimed = claim(self.state_store, act.claim_key, owner)
+            if not act.claimed:
+                self._record_already_claimed(act)
+                act.dead.update(spec.fault_id for spec in act.faults)
+        return act.claimed
+
+    def _record_already_claimed(self, act: _Activation) -> None:
+        for spec in act.faults:
+            if spec.fault_id not in act.dead:
+                self._record(act, spec, InjectionStatus.ALREADY_CLAIMED, 0, {"claim": act.claim_key},
+                             "claimed earlier by another worker of this rank")
+
     def _run(self, act: _Activation, spec: FaultSpec, phase: str, *, value: Any = None,
              module: Any = None, fetch: Any = None, count: bool = True) -> Any:
+        if not self._claim(act):
+            return UNCHANGED
         if count:
             act.calls[spec.fault_id] = act.calls.get(spec.fault_id, 0) + 1
         call_index = act.calls.get(spec.fault_id, 0)
