@@ -12,7 +12,7 @@ import torch
 
 from lm_resiliency.faults import (CampaignJournal, CorruptionOperation, FailureType, FaultCampaign,
                                   FaultIncident, FaultScope, FaultSpec, FaultSurface, FaultTarget,
-                                  IncidentLifetime, IncidentTrigger, JsonCampaignStateStore,
+                                  IncidentLifetime, IncidentTrigger, IterationRange, JsonCampaignStateStore,
                                   LocalFaultExecutor, enable_fault_injection)
 
 
@@ -144,3 +144,54 @@ def race_claims(store_path: str, rounds: int, barrier, queue, worker: str) -> No
 
 def child_env_step(step: Optional[int]) -> dict:
     return {} if step is None else {"LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP": str(step)}
+
+
+# --------------------------------------------------------------------- claim at execution
+
+def race_campaign(rounds: int) -> FaultCampaign:
+    """One sign flip of `layers.1`'s output on rank 0 in each of iterations 1..rounds."""
+    sdc = sdc_campaign(rank=0).incidents[0]
+    return FaultCampaign(name="race", incidents=(FaultIncident(
+        incident_id="race", trigger=IncidentTrigger(range=IterationRange(1, rounds + 1)),
+        lifetime=sdc.lifetime, faults=sdc.faults),))
+
+
+def race_for_occurrences(rank: int, world_size: int, state_path: str, journal_path: str, rounds: int) -> dict:
+    """Both processes act as workers of fault rank 0 (an old one and its replacement): each arms
+    every occurrence, then, in lockstep (a gloo barrier before each forward), both reach the
+    hooked call of the same occurrence at once. Reports the iterations whose `layers.1` output
+    this process really sign-flipped and the occurrences its session journaled as injected."""
+    import torch.distributed as dist
+
+    model, optimizer = make_model()
+    faults = enable_fault_injection(model, optimizer, campaign=race_campaign(rounds), rank=0, world_size=1,
+                                    state_store=JsonCampaignStateStore(state_path),
+                                    journal=CampaignJournal(journal_path), generation=f"worker-{rank}")
+    flipped: List[int] = []
+
+    def check_flip(module, args, out):
+        clean = module.forward(*args)  # the same call without hooks: the uncorrupted output
+        if torch.equal(out, -clean) and bool(clean.ne(0).any()):
+            flipped.append(faults.iteration)
+
+    model.layers[1].register_forward_hook(check_flip)
+    for x in batches(rounds):
+        dist.barrier()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    faults.close()
+    return {"flipped": flipped, "injected": [r.occurrence_id for r in faults.records if r.injected],
+            "generation": faults.generation}
+
+
+def stop_at_a_step_boundary(rank: int, world_size: int, state_path: str, journal_path: str, steps: int) -> dict:
+    """Resume after $LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP, run until `steps` optimizer steps are
+    done and return without closing the session (a worker preempted at a step boundary)."""
+    start = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
+    model, optimizer = make_model()
+    faults = enable_fault_injection(model, optimizer, campaign=sdc_campaign(0, at=3), rank=0, world_size=1,
+                                    state_store=JsonCampaignStateStore(state_path),
+                                    journal=CampaignJournal(journal_path))
+    train(model, optimizer, batches(steps)[start:])
+    return {"active": list(faults.active_occurrences), "records": [r.to_json() for r in faults.records]}
