@@ -16,10 +16,10 @@ from .workloads import (batches, child_env_step, make_model, race_for_occurrence
 def test_worker_stopped_after_arming_leaves_the_occurrence_to_its_successor(tmp_path):
     store = JsonCampaignStateStore(str(tmp_path / "state.json"))
     journal = CampaignJournal(str(tmp_path / "journal.jsonl"))
+    shared = {"campaign": sdc_campaign(0, at=3), "state_store": store, "journal": journal}
     data = batches(5)
     model, optimizer = make_model()
-    first = enable_fault_injection(model, optimizer, campaign=sdc_campaign(0, at=3), state_store=store,
-                                   journal=journal, generation="0")
+    first = enable_fault_injection(model, optimizer, generation="0", **shared)
     train(model, optimizer, data[:2])  # step 2's boundary arms sdc@3; then the job is preempted
     assert first.active_occurrences == ("sdc@3",) and store.claims() == {}
     first.close()
@@ -30,8 +30,7 @@ def test_worker_stopped_after_arming_leaves_the_occurrence_to_its_successor(tmp_
     # The replacement resumes after step 2 and meets the hooked call of iteration 3 itself.
     model, optimizer = make_model()
     train(model, optimizer, data[:2])
-    second = enable_fault_injection(model, optimizer, campaign=sdc_campaign(0, at=3), state_store=store,
-                                    journal=journal, generation="1", start_iteration=2)
+    second = enable_fault_injection(model, optimizer, generation="1", start_iteration=2, **shared)
     seen = capture(model)
     train(model, optimizer, data[2:])
     ref, _ = reference_outputs(5)
