@@ -20,9 +20,9 @@ captures and SCOUT checks every INTERVAL=2 steps):
               step 20; rank 1's own shard is rejected and its state comes from the replica that
               rank 3 holds.
 
-No incident is scheduled for the iteration right after a restart-causing one: the kit claims an
-occurrence when it arms it (at the end of the previous iteration), so an occurrence armed by a
-generation that then stops would be "already claimed" and never injected by the next one.
+An occurrence is claimed only when its fault is performed, so one armed by a generation that
+then stops (at the iteration right after a restart-causing one) is injected by the next
+generation when it replays that iteration.
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ class Job:
             self._once(("claimed", occurrence, gen),
                        f"{self.label} gen {gen} | {occurrence} was injected before the restart: the replayed "
                        f"iteration is not hit again (restart-stable occurrence id)")
-        elif status in ("no_effect", "failed", "unsupported", "expired"):
+        elif status in ("no_effect", "failed", "unsupported", "expired", "armed"):
             self._once((status, occurrence, gen),
                        f"{self.label} gen {gen} | {occurrence} on rank {record['rank']}: {status} ({record['detail']})")
 
