@@ -129,10 +129,13 @@ class ResiliencySession:
                 model, optimizer = adapter.replay_targets()
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
                                           topology=topology)
+                if self.manager is not None:
+                    self.scout.exclude_groups(self.manager.process_group)
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
                 _check_cadence(self.config.interval, self.replay_config)
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     self._agreement_group = dist.new_group(backend="gloo")
+                    self.scout.exclude_groups(self._agreement_group)
                 self.ledger = CertificationLedger(1, self.manager.store, group=self._agreement_group,
                                                   durable=durable_checkpoint)
                 self.manager.protected_steps = self._protected_steps
@@ -154,14 +157,15 @@ class ResiliencySession:
         step = None
         verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
             self.ledger is not None and self.ledger.requires_verified_recovery)
-        if verified_only:
-            step = self._find_verified() if self.manager is not None else None
-            if step is None:
-                return self._recover_verified_durable()
-        elif self.manager is not None:
-            step = self.manager.find_latest()
+        if self.manager is not None:
+            # GEMINI's transfers are not training collectives for SCOUT's hang rule; the recovery
+            # shows as one checkpoint read instead (its own stall threshold; ending it is progress).
+            with self.checkpoint_io("read", name="gemini_recovery"):
+                step = self._find_verified() if verified_only else self.manager.find_latest()
+                state = self.manager.load() if step is not None else None
+        if verified_only and step is None:
+            return self._recover_verified_durable()
         if step is not None:
-            state = self.manager.load()
             self.adapter.load_framework_state(state["framework"])
             self.adapter.load_deferred_state(state["deferred"])
             restore_rng(state["rng"])

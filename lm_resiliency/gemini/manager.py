@@ -199,6 +199,12 @@ class InMemoryCheckpointManager:
         self._raise_background_error()
 
     @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """GEMINI's dedicated gloo group (replication, recovery agreement and transfers); None
+        single-process."""
+        return self._group
+
+    @property
     def latest_step(self) -> int:
         """Step of the newest complete own capture in memory, or -1."""
         ready = self._own.ready_slots()

@@ -12,10 +12,11 @@ the training thread is stuck in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import socket
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -127,7 +128,7 @@ class ScoutHarness:
         """Run the checks due at `step` (collective). None when nothing was due."""
         if not self.check_due(step):
             return None
-        with self.beacon.track("scout_replay", step):
+        with self._own_section("scout_replay", step):
             result = self.detector.run(step)
         findings = []
         timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding")
@@ -135,9 +136,23 @@ class ScoutHarness:
         if timings and len(timings) >= 3:
             findings += self.compute.observe(timings)
         if self._probe is not None and step % self.config.probe_interval == 0:
-            with self.beacon.track("scout_probe", step):
+            with self._own_section("scout_probe", step):
                 findings += self.communication.observe(self._probe.measure())
         return ReplayResult(step, result.checks, tuple(findings))
+
+    @contextlib.contextmanager
+    def _own_section(self, op: str, step: int) -> Iterator[None]:
+        """SCOUT's replay and probe collectives are its own traffic, not training collectives (how
+        many a rank makes depends on its peer group): the section is one beacon op, `op`, instead."""
+        untraced = self._trace.untraced() if self._trace is not None else contextlib.nullcontext()
+        with self.beacon.track(op, step), untraced:
+            yield
+
+    def exclude_groups(self, *groups: Any) -> None:
+        """Process groups lm-resiliency owns (GEMINI, certification agreement): their traffic is
+        not counted as training collectives by the out-of-band hang rule."""
+        if self._trace is not None:
+            self._trace.exclude(*groups)
 
     def after_optimizer_step(self, step: int) -> None:
         self.beacon.progress(step)

@@ -3,7 +3,8 @@
 * `instrument_dataloader(loader, beacon, name)`: marks every `next()` as op "dataloader:<name>".
 * `checkpoint_io(beacon, kind, name)`: marks a checkpoint read or write as "checkpoint:<kind>:<name>".
 * `trace_collectives(beacon)`: marks every Python-level torch.distributed collective and
-  point-to-point call by its function name, "<name>(group=[ranks])" on a non-default group.
+  point-to-point call by its function name, "<name>(group=[ranks])" on a non-default group,
+  except lm-resiliency's own traffic (`CollectiveTrace.exclude`, `CollectiveTrace.untraced`).
 
 Each mark is a `beacon.enter`/`beacon.exit` pair: no I/O on the training thread. All three
 accept `beacon=None` and then change nothing (SCOUT disabled).
@@ -11,6 +12,7 @@ accept `beacon=None` and then change nothing (SCOUT disabled).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -168,13 +170,23 @@ class CollectiveTrace:
 
     A namespace entry that someone else replaced after installation is left alone (their
     wrapper stays); our wrapper inside it becomes a pass-through once removed.
+
+    Only training collectives are marked. lm-resiliency's own transfers are not: their counts
+    differ between healthy ranks (a recovery serves peer replicas from some ranks only), they run
+    on background threads (replication) and they would pose as the training thread's last
+    operation, so the hang rule would compare and blame the wrong thing. They are excluded by
+    process group where the library owns the group (`exclude`: GEMINI's and the certification
+    agreement group, used from any thread), and by section where SCOUT talks on the training
+    thread (`untraced`: replay and probe, which the harness marks as one op of their own).
     """
 
     def __init__(self, beacon: ProgressBeacon) -> None:
         self.beacon = beacon
         self.active = False
         self._installed: List[Tuple[Any, str, Callable, Callable]] = []
-        self._labels: Dict[int, Tuple[Any, str]] = {}
+        self._labels: Dict[int, Tuple[Any, Optional[str]]] = {}
+        self._excluded: Dict[int, Any] = {}   # id -> group; holding it keeps the id from being reused
+        self._sections = threading.local()
         self._lock = threading.Lock()
 
     @property
@@ -193,21 +205,45 @@ class CollectiveTrace:
                 logger.debug("trace_collectives: %s.%s was replaced after installation; left in place",
                              namespace.__name__, name)
 
+    def exclude(self, *groups: Any) -> None:
+        """Calls on these process groups (lm-resiliency's own; None is skipped) are not marked.
+        Call it when a group is created, before it carries traffic."""
+        with self._lock:
+            for group in groups:
+                if group is not None:
+                    self._excluded[id(group)] = group
+                    self._labels.pop(id(group), None)
+
+    @contextlib.contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Calls made by this thread inside the block are not marked (other threads unaffected)."""
+        self._sections.depth = getattr(self._sections, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._sections.depth -= 1
+
+    def _traced_here(self) -> bool:
+        return self.active and not getattr(self._sections, "depth", 0)
+
     def __enter__(self) -> "CollectiveTrace":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
-    def _label(self, name: str, group: Any) -> str:
+    def _label(self, name: str, group: Any) -> Optional[str]:
+        """The op for `name` on `group`; None for an excluded group (the call is not marked)."""
         # Cached per group object: one dict lookup per call on the hot path.
         cached = self._labels.get(id(group))
         if cached is not None and cached[0] is group:
-            return f"{name}({cached[1]})"
+            return None if cached[1] is None else f"{name}({cached[1]})"
         try:
             import torch.distributed as dist
 
-            if group is dist.GroupMember.WORLD:
+            if self._excluded.get(id(group)) is group:
+                label = None
+            elif group is dist.GroupMember.WORLD:
                 label = ""
             else:
                 ranks = dist.get_process_group_ranks(group)
@@ -218,6 +254,8 @@ class CollectiveTrace:
         if len(self._labels) > 4096:
             self._labels.clear()
         self._labels[id(group)] = (group, label)
+        if label is None:
+            return None
         return f"{name}({label})" if label else name
 
 
@@ -243,10 +281,12 @@ def _wrap(fn: Callable, name: str, handle: CollectiveTrace) -> Callable:
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if not handle.active:
+        if not handle._traced_here():
             return fn(*args, **kwargs)
         group = kwargs.get("group") if index is None or len(args) <= index else args[index]
         op = name if group is None else handle._label(name, group)
+        if op is None:
+            return fn(*args, **kwargs)
         beacon.enter(op)
         try:
             return fn(*args, **kwargs)
