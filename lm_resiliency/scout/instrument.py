@@ -308,7 +308,9 @@ def trace_collectives(beacon: ProgressBeacon, names: Optional[Sequence[str]] = N
     the returned Work is not traced, and neither are C++ collectives (DDP's gradient buckets,
     functional collectives used by DTensor) or names a module imported by value before this call.
     With NCCL a collective returns after launch; the hang rule still localizes by completed-op
-    counts. Returns a handle; `handle.remove()` restores the original functions exactly.
+    counts. Calls on groups passed to `handle.exclude(...)` and calls a thread makes inside
+    `handle.untraced()` are not marked (lm-resiliency's own traffic, see `CollectiveTrace`).
+    Returns a handle; `handle.remove()` restores the original functions exactly.
     """
     _require_beacon(beacon, "trace_collectives")
     import torch.distributed as dist
