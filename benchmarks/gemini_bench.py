@@ -409,7 +409,7 @@ def phase_capture(rank: int, world: int, opts: dict) -> dict:
         out[key]["gbps"] = out[key]["bytes"] / out[key]["seconds"] / GB
     out["save_blocking"] = _stats(blocking)
     dist.destroy_process_group(raw_group)
-    del views, flat, incoming
+    views = flat = incoming = None  # release the buffers before the next phase
     gc.collect()
 
     # --- the guide's training loop, interleaved with the same loop without GEMINI so that both
@@ -533,7 +533,7 @@ def phase_capture(rank: int, world: int, opts: dict) -> dict:
         f"(verified={out['recover_peer_memory']['verified']})")
     R.barrier()
     m.close()
-    del m, own_slot, peer_slot
+    m = own_slot = peer_slot = None  # release the slots before the next phase
     gc.collect()
 
     # --- torch.save (+fsync) / torch.load of the same state dict, one file per rank
