@@ -22,8 +22,8 @@ INCOMPLETE (a peer did not answer in time, a replay raised, or the vote had no s
 NOT_RUN (no recording in the group, no equivalent peer, or the recording cannot be shared).
 Calls are matched by their order in the session. A rank that skips a call is out of step with its
 peers' later calls, which come back INCOMPLETE; its own next call reads the peers' answers to the
-call it skipped (INCOMPLETE when their optimizer step differs). Keys stay in the store (one batch
-per call; calls are rare).
+call it skipped (INCOMPLETE when their optimizer step differs). The last peer to finish a call
+deletes its keys; a call that some peer never finished keeps them (one batch per such call).
 """
 
 from __future__ import annotations
@@ -204,6 +204,7 @@ class FullCatalogSweep:
         local = self._replay(header, exchange.payload(), source)
         exchange.publish(f"signatures/{self.rank}", local)
         docs = exchange.gather("signatures", self.group_ranks, "answer with its replay signatures")
+        exchange.release(self.group_ranks, source)
         return self._decide(step, newest, source, docs)
 
     def _publish_invocation(self, exchange: "_Exchange", recorded: RecordedInvocation) -> None:
@@ -338,6 +339,20 @@ class _Exchange:
 
     def payload(self) -> bytes:
         return bytes(self._store.get(f"{self._prefix}/payload"))
+
+    def release(self, ranks: Tuple[int, ...], source: int) -> None:
+        """Called by each peer once it has read everything: the last one deletes the call's keys
+        (the payload is a whole batch). A call some peer never finished keeps its keys, so a peer
+        that skipped it can still read them at its next call."""
+        if self._store.add(f"{self._prefix}/done", 1) < len(ranks):
+            return
+        keys = [f"{key}/{r}" for key in ("ready", "signatures") for r in ranks]
+        for key in keys + [f"header/{source}", "payload", "done"]:
+            try:
+                self._store.delete_key(f"{self._prefix}/{key}")
+            except Exception as exc:  # noqa: BLE001 - a store without delete keeps them; nothing depends on it
+                logger.debug("SCOUT sweep: could not delete store key %s: %s", key, exc)
+                return
 
     def gather(self, key: str, ranks: Tuple[int, ...], what: str) -> Dict[int, dict]:
         """The document `<key>/<rank>` of every rank in `ranks`."""

@@ -79,12 +79,16 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
             decisions.append(session.prepare_recovery("uncertain").to_json())
         store.add(DONE_KEY, 1)
     persisted = (session.manager.store.read_status() or {}).get("trust", {})   # none before a boundary
+    prefix = session.scout.sweep._prefix
+    while store.add(DONE_KEY, 0) < (world - 1 if scenario == "absent" else world):
+        time.sleep(0.05)   # every caller has returned, so the last of each call has released it
+    leftover = [c for c in range(3) if store.check([f"{prefix}/call-{c}/ready/{rank}"])]
     seen = {"decisions": decisions, "events": events,
             "untouched": structure_signature(list(model.state_dict().values())) == state
             and torch.equal(torch.get_rng_state(), rng),
             "training": sorted({m.training for m in model.modules()}),
             "latched": session.ledger.requires_verified_recovery,
-            "persisted_latch": persisted.get("sdc_pending", False)}
+            "persisted_latch": persisted.get("sdc_pending", False), "leftover_calls": leftover}
     session.close()
     return seen
 

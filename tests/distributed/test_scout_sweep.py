@@ -23,6 +23,7 @@ def test_clean_sweep_selects_latest(tmp_path):
         assert [kind for kind, _ in seen["events"]] == ["recovery", "recovery"] and not seen["latched"]
         # Parameters, buffers, the live RNG and every module's eval mode are as before the sweep.
         assert seen["untouched"] and seen["training"] == [False]
+        assert seen["leftover_calls"] == []   # the last peer of each finished call deleted its keys
 
 
 def _assert_sdc_on(seen, rank, module):
@@ -61,6 +62,7 @@ def test_rank_that_never_calls_makes_the_sweep_incomplete(tmp_path):
         assert "the full replay sweep did not complete" in decision["reason"]
         assert "ranks [3] did not join the sweep" in decision["reason"]
         assert [kind for kind, _ in seen["events"]] == ["recovery"] and not seen["latched"]
+        assert seen["leftover_calls"] == [0]   # unfinished: kept for the rank that skipped it
 
 
 def test_replay_that_raises_on_one_rank_makes_the_sweep_incomplete(tmp_path):
