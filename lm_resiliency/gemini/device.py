@@ -64,6 +64,9 @@ def launch_copy(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+                # The caller may free `src` (a snapshot clone) before the copy runs: without this
+                # the caching allocator could hand its memory to the training stream meanwhile.
+                src.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
     if len(by_device) > 1:
