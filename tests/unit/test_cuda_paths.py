@@ -1,4 +1,4 @@
-"""CUDA paths of GEMINI and SCOUT (marked gpu: skipped without a CUDA device; `pytest -m gpu tests` runs them)."""
+"""GEMINI's CUDA paths (marked gpu: skipped without a CUDA device; `pytest -m gpu tests` runs them)."""
 
 import pytest
 import torch
