@@ -5,6 +5,7 @@ hooks, the JSON-ready recovery decisions and fault reports they carry, and the h
 SCOUT replay result into them. Only features that exist are exported.
 """
 
+from lm_resiliency.manager_api.drift import find_drift, format_drift, local_fingerprint
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, RestartDestinationResolver, dispatch_replay_faults
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback
 from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
@@ -20,4 +21,8 @@ __all__ = [
     "SCOUTFaultCallback",
     "replay_fault_reports",
     "dispatch_replay_faults",
+    # Configuration drift
+    "local_fingerprint",
+    "find_drift",
+    "format_drift",
 ]
