@@ -2,10 +2,20 @@
 
 What an external manager needs to coordinate with lm-resiliency workers: the orchestration
 hooks, the JSON-ready recovery decisions and fault reports they carry, and the helpers that turn a
-SCOUT replay result into them. Only features that exist are exported.
+SCOUT replay result into them, and the optional hardware-health monitor. Only features that exist
+are exported.
 """
 
 from lm_resiliency.manager_api.drift import find_drift, format_drift, local_fingerprint
+from lm_resiliency.manager_api.health import (
+    HardwareHealthMonitor,
+    HealthConfig,
+    HealthEvent,
+    HealthReading,
+    HealthSeverity,
+    HealthSource,
+    NvmlSource,
+)
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, RestartDestinationResolver, dispatch_replay_faults
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback
 from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
@@ -21,6 +31,14 @@ __all__ = [
     "SCOUTFaultCallback",
     "replay_fault_reports",
     "dispatch_replay_faults",
+    # Hardware health
+    "HealthConfig",
+    "HardwareHealthMonitor",
+    "HealthEvent",
+    "HealthReading",
+    "HealthSeverity",
+    "HealthSource",
+    "NvmlSource",
     # Configuration drift
     "local_fingerprint",
     "find_drift",
