@@ -39,8 +39,6 @@ _ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 # A prefix match never reports a name that looks like it holds a credential.
 _SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "KEY", "AUTH")
 
-_MISSING = object()
-
 
 def local_fingerprint(*, extra: Optional[Mapping[str, Any]] = None, optimizer: Any = None,
                       env_names: Iterable[str] = (), env_prefixes: Iterable[str] = ()) -> Dict[str, Any]:
@@ -75,7 +73,7 @@ def local_fingerprint(*, extra: Optional[Mapping[str, Any]] = None, optimizer: A
         if not isinstance(extra, Mapping):
             raise TypeError(f"local_fingerprint(extra=...): must be a mapping of field name to JSON "
                             f"value, got {type(extra).__name__}")
-        fingerprint["extra"] = _json_ready(dict(extra), "local_fingerprint(extra=...)")
+        fingerprint["extra"] = json.loads(_canonical_json(dict(extra), "local_fingerprint(extra=...)"))
     return fingerprint
 
 
@@ -184,9 +182,10 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _json_ready(value: Any, where: str) -> Any:
+def _canonical_json(value: Any, where: str) -> str:
+    """`value` as JSON text that is equal for equal values (keys sorted)."""
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        return json.dumps(value, allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{where}: must hold only JSON values (str, int, float, bool, None, lists, "
                         f"dicts with str keys; no NaN/inf): {exc}") from exc
@@ -219,9 +218,7 @@ def find_drift(fingerprints: Fingerprints, *, ignore: Iterable[str] = ()) -> Dic
     for name in fields:
         holders: Dict[str, List[int]] = {}
         for rank in sorted(flat):
-            value = flat[rank].get(name, _MISSING)
-            key = "missing" if value is _MISSING else json.dumps(value, sort_keys=True)
-            holders.setdefault(key, []).append(rank)
+            holders.setdefault(flat[rank].get(name, "missing"), []).append(rank)
         if len(holders) > 1:
             drift[name] = _field_drift(holders)
     return drift
@@ -251,13 +248,14 @@ def _ranked(fingerprints: Fingerprints) -> Dict[int, Mapping[str, Any]]:
 def _rank(key: Any) -> int:
     if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
         return key
-    if isinstance(key, str) and key.isdigit():
+    if isinstance(key, str) and key.isascii() and key.isdigit():
         return int(key)
     raise ValueError(f"find_drift: rank keys must be non-negative ints or decimal strings, got {key!r}")
 
 
-def _flatten(document: Mapping[str, Any], where: str, prefix: str = "") -> Dict[str, Any]:
-    flat: Dict[str, Any] = {}
+def _flatten(document: Mapping[str, Any], where: str, prefix: str = "") -> Dict[str, str]:
+    """Dotted field name -> canonical JSON text of its value. ("missing" is never JSON text.)"""
+    flat: Dict[str, str] = {}
     for key, value in document.items():
         if not isinstance(key, str):
             raise TypeError(f"find_drift: {where}: field names must be strings, got {key!r}")
@@ -266,7 +264,7 @@ def _flatten(document: Mapping[str, Any], where: str, prefix: str = "") -> Dict[
             # An empty section holds no fields: an empty `env` equals one with nothing set.
             flat.update(_flatten(value, where, name + "."))
         else:
-            flat[name] = _json_ready(value, f"find_drift: {where}, field {name!r}")
+            flat[name] = _canonical_json(value, f"find_drift: {where}, field {name!r}")
     return flat
 
 
@@ -275,9 +273,11 @@ def _field_drift(holders: Dict[str, List[int]]) -> Dict[str, Any]:
               else {"value": json.loads(key), "ranks": ranks}
               for key, ranks in sorted(holders.items(), key=lambda item: (-len(item[1]), item[1][0]))]
     leader, runner_up = values[0], values[1]
-    majority = leader if len(leader["ranks"]) > len(runner_up["ranks"]) else None
-    minority = sorted(rank for entry in values if entry is not majority for rank in entry["ranks"])
-    return {"values": values, "majority": majority, "minority_ranks": minority}
+    if len(leader["ranks"]) > len(runner_up["ranks"]):
+        return {"values": values, "majority": dict(leader),
+                "minority_ranks": sorted(rank for entry in values[1:] for rank in entry["ranks"])}
+    return {"values": values, "majority": None,
+            "minority_ranks": sorted(rank for entry in values for rank in entry["ranks"])}
 
 
 def format_drift(drift: Mapping[str, Mapping[str, Any]]) -> str:
