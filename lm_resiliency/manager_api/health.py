@@ -218,7 +218,7 @@ class HardwareHealthMonitor:
             thread.join(self._config.close_timeout_s)
             if thread.is_alive():
                 self._closed = True
-                logger.warning("hardware health: a source's read() is still running after %.1f s; the daemon "
+                logger.warning("hardware health: a source's read() is still running after %g s; the daemon "
                                "poll thread is abandoned and the sources are left open",
                                self._config.close_timeout_s)
                 return
@@ -258,7 +258,7 @@ class HardwareHealthMonitor:
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
             if failures == 1:
-                logger.warning("hardware health: source %s failed; retrying every %.1f s (repeat failures are "
+                logger.warning("hardware health: source %s failed; retrying every %g s (repeat failures are "
                                "logged at debug level until it reads again)", source.name,
                                self._config.poll_interval_s, exc_info=True)
             else:
