@@ -1,9 +1,9 @@
 """Stable, platform-neutral manager API.
 
 What an external manager needs to coordinate with lm-resiliency workers: the orchestration
-hooks, the JSON-ready recovery decisions and fault reports they carry, and the helpers that turn a
-SCOUT replay result into them, and the optional hardware-health monitor. Only features that exist
-are exported.
+hooks, the JSON-ready recovery decisions and fault reports they carry and the helpers that turn a
+SCOUT replay result into them, the optional hardware-health monitor, and configuration-drift
+fingerprints. Only features that exist are exported (checkpoint transfer does not yet).
 """
 
 from lm_resiliency.manager_api.drift import find_drift, format_drift, local_fingerprint
