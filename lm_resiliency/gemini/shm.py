@@ -65,7 +65,7 @@ import torch
 
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
-from lm_resiliency.gemini.storage import run_namespace, temp_scope
+from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
 
 logger = logging.getLogger(__name__)
 
@@ -166,42 +166,6 @@ def _unregister_host_memory(tensor: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------ processes
-
-
-def _start_time(pid: int) -> Optional[int]:
-    """Kernel start time of `pid` (clock ticks since boot), None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _owner_alive(pid: int, start_time: Optional[int]) -> bool:
-    """Whether the process that recorded (pid, start_time) still runs (a zombie does not)."""
-    if pid <= 0:
-        return True  # not a process we could have been: never treat as dead
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    try:
-        fields = data[data.rindex(b")") + 2:].split()
-        if fields[0] in (b"Z", b"X"):
-            return False
-        return start_time is None or int(fields[19]) == start_time
-    except (ValueError, IndexError):
-        return True
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -734,7 +698,7 @@ class SharedSlotArena:
 
     def _owner_doc(self) -> bytes:
         return _dumps({"version": SHM_VERSION, "scope": self._scope, "pid": os.getpid(),
-                       "start_time": _start_time(os.getpid())})
+                       "start_time": process_start_time(os.getpid())})
 
     def _claim_rank_dir(self, ns_fd: int) -> int:
         """Create this rank's directory, or take it over from a dead owner of this scope."""
@@ -790,9 +754,9 @@ class SharedSlotArena:
         if owner["scope"] != self._scope:
             raise SegmentRejected(f"{self._dir}: owner record names another boot or PID namespace "
                                   f"({owner['scope']}); refusing to use it")
-        if owner["pid"] == os.getpid() and owner["start_time"] == _start_time(os.getpid()):
+        if owner["pid"] == os.getpid() and owner["start_time"] == process_start_time(os.getpid()):
             self._predecessor = os.getpid()  # a closed manager of this process kept its slots
-        elif _owner_alive(owner["pid"], owner["start_time"]):
+        elif process_alive(owner["pid"], owner["start_time"]):
             raise SharedMemoryUnavailable(errno.EBUSY, f"{self._dir} is in use by live process "
                                           f"{owner['pid']} (same run, topology and rank)")
         else:
@@ -856,7 +820,7 @@ class SharedSlotArena:
             path = os.path.join(ns_path, entry.name)
             temp = _TEMP_RE.fullmatch(entry.name)
             if temp:
-                if temp.group("scope") == self._scope and not _owner_alive(int(temp.group("pid")), None):
+                if temp.group("scope") == self._scope and not process_alive(int(temp.group("pid"))):
                     _remove_tree(ns_fd, entry.name)
                 continue
             match = _RANK_DIR_RE.fullmatch(entry.name)
@@ -874,7 +838,7 @@ class SharedSlotArena:
             if owner is None:
                 logger.warning("GEMINI: not reaping %s: no valid %s", path, OWNER_FILE)
                 continue
-            if owner["scope"] != self._scope or _owner_alive(owner["pid"], owner["start_time"]):
+            if owner["scope"] != self._scope or process_alive(owner["pid"], owner["start_time"]):
                 continue
             with _held_lock:
                 if path in _held:
@@ -889,7 +853,7 @@ class SharedSlotArena:
             if not match or match.group("scope") != self._scope or entry.is_dir(follow_symlinks=False):
                 continue
             pid = int(match.group("pid"))
-            if (pid == os.getpid()) if only_ours else not _owner_alive(pid, None):
+            if (pid == os.getpid()) if only_ours else not process_alive(pid):
                 try:
                     os.unlink(entry.name, dir_fd=dir_fd)
                 except OSError:

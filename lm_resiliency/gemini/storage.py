@@ -146,16 +146,41 @@ def temp_scope() -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a process we could have been; never reap on its account
+def process_start_time(pid: int) -> Optional[int]:
+    """Kernel start time of `pid` (clock ticks since boot), None if unknown."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start_time: Optional[int] = None) -> bool:
+    """Whether the process that recorded (pid, start_time) still runs (a zombie does not); without
+    `start_time`, whether any process `pid` runs. Shared by every temp/slot reaper in GEMINI."""
+    if pid <= 0:
+        return True  # not a process we could have been: never treat as dead
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    try:
+        fields = data[data.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return False
+        return start_time is None or int(fields[19]) == start_time
+    except (ValueError, IndexError):
+        return True
 
 
 def _check_json(value: Any, where: str) -> None:
@@ -444,7 +469,7 @@ class NodeLocalStore:
             if not match or match.group("final") != final_name or match.group("scope") != scope:
                 continue
             pid = int(match.group("pid"))
-            if _pid_alive(pid):
+            if process_alive(pid):
                 continue
             path = os.path.join(self._dir, name)
             try:

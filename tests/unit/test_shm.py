@@ -309,7 +309,7 @@ def test_live_owner_is_never_taken_over(tmp_path):
         owner = os.path.join(rank_dir(tmp_path), "owner.json")
         with open(owner, "w") as f:
             json.dump({"version": 1, "scope": temp_scope(), "pid": sleeper.pid,
-                       "start_time": shm._start_time(sleeper.pid)}, f)
+                       "start_time": shm.process_start_time(sleeper.pid)}, f)
         with pytest.raises(SharedMemoryUnavailable, match=f"live process {sleeper.pid}"):
             make_arena(tmp_path)
         # A recycled PID (same number, other start time) is not the owner.
@@ -347,7 +347,7 @@ def test_new_run_reaps_dead_runs_of_this_scope_only(tmp_path):
     foreign = _stale_rank_dir(tmp_path, "old-foreign", dead_pid(), scope="0123456789abcdef")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = _stale_rank_dir(tmp_path, "old-live", sleeper.pid, start_time=shm._start_time(sleeper.pid))
+        live = _stale_rank_dir(tmp_path, "old-live", sleeper.pid, start_time=shm.process_start_time(sleeper.pid))
         arena = make_arena(tmp_path, run_id="new-run")
         assert not os.path.exists(dead) and not os.path.exists(os.path.dirname(dead))
         assert os.path.exists(foreign) and os.listdir(foreign)  # another boot/PID namespace: untouched
