@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -38,9 +37,10 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from datetime import timedelta
 from typing import Any, Dict, List
+
+from benchmarks._state import drop_page_cache, fingerprint, leaves, make_state, nbytes_of
 
 MIB = 1024 * 1024
 RUN_ID = "shm-recovery-bench"
@@ -52,47 +52,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------- state
-
-
-def make_state(rank: int, nbytes: int, layers: int = 8, fill: bool = True) -> dict:
-    """Model + Adam-like optimizer state of about `nbytes` float32 bytes (params are 1/3).
-    `fill=False`: the same structure of zeros (the live model and optimizer a restore copies into)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(4321 + rank)
-    randn = torch.randn if fill else (lambda shape, generator: torch.zeros(shape))
-    rand = torch.rand if fill else randn
-    d = max(8, int(math.sqrt(max(64, nbytes // 3 // layers // 4))))
-    model, opt = {}, {}
-    for i in range(layers):
-        for name, shape in ((f"layers.{i}.weight", (d, d)), (f"layers.{i}.bias", (d,))):
-            model[name] = randn(shape, generator=gen)
-            opt[name] = {"step": torch.tensor(11.0), "exp_avg": randn(shape, generator=gen),
-                         "exp_avg_sq": rand(shape, generator=gen)}
-    return {"model": model, "optimizer": {"state": opt, "param_groups": [{"lr": 1e-3}]},
-            "step": 11, "rng": torch.get_rng_state()}
-
-
-def fingerprint(state: Any) -> list:
-    import torch
-
-    out = []
-
-    def walk(v, path):
-        if isinstance(v, torch.Tensor):
-            raw = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            out.append([path, str(v.dtype), list(v.shape), zlib.crc32(memoryview(raw))])
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{path}.{k}")
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, f"{path}[{i}]")
-        else:
-            out.append([path, repr(v)])
-
-    walk(state, "state")
-    return out
 
 
 def apply(dst: Any, src: Any) -> None:
@@ -107,42 +66,6 @@ def apply(dst: Any, src: Any) -> None:
     elif isinstance(dst, (list, tuple)):
         for a, b in zip(dst, src):
             apply(a, b)
-
-
-def state_bytes(state: Any) -> int:
-    import torch
-
-    total = 0
-
-    def walk(v):
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    walk(state)
-    return total
-
-
-def drop_page_cache(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
 
 
 def read_all(root: str) -> None:
@@ -182,7 +105,7 @@ def phase_capture(rank: int, world: int, args: dict) -> dict:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    return {"fingerprint": fingerprint(state), "bytes": state_bytes(state), "capture_s": capture_s,
+    return {"fingerprint": fingerprint(state), "bytes": nbytes_of(leaves(state)), "capture_s": capture_s,
             "host_memory": manager.host_memory().total_bytes, "kill": True}
 
 
@@ -219,7 +142,6 @@ def phase_torch_load(rank: int, world: int, args: dict) -> dict:
     t1 = time.perf_counter()
     apply(live, state)
     t2 = time.perf_counter()
-    live["step"] = state["step"]
     return {"load_s": t1 - t0, "load_apply_s": t2 - t0, "end_to_end_s": t2 - t0, "fingerprint": fingerprint(live)}
 
 
