@@ -24,23 +24,14 @@ from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.callbacks.lightning import ResiliencyCallback
 
 
-class Net(L.LightningModule):
-    """Bias-free layers registered head first, i.e. in the order backward produces their
-    gradients. DDP buckets gradients in registration order in its first iteration and in
-    backward order afterwards; with this order both agree, so a restarted DDP run (whose first
-    iteration uses registration order) sums gradients exactly like an uninterrupted one and
-    the comparison can be bitwise (docs/api.md, "DDP and bitwise resume")."""
+class Recipe(L.LightningModule):
+    """The training recipe every test model shares: MSE on a seeded dataset, AdamW with a
+    per-step StepLR, and a record of the data position each step consumed."""
 
     def __init__(self, samples: int = 64) -> None:
         super().__init__()
-        self.head = nn.Linear(32, 4, bias=False)
-        self.body = nn.Linear(16, 32, bias=False)
-        self.drop = nn.Dropout(0.1)  # RNG restore matters
         self.samples = samples
         self.seen: List[tuple] = []   # (global_step before the step, batch checksum): the data position
-
-    def forward(self, x):
-        return self.head(self.drop(torch.tanh(self.body(x))))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -56,6 +47,23 @@ class Net(L.LightningModule):
         g = torch.Generator().manual_seed(1234)
         data = TensorDataset(torch.randn(self.samples, 16, generator=g), torch.randn(self.samples, 4, generator=g))
         return DataLoader(data, batch_size=4, shuffle=True)  # Lightning adds a seeded DistributedSampler
+
+
+class Net(Recipe):
+    """Bias-free layers registered head first, i.e. in the order backward produces their
+    gradients. DDP buckets gradients in registration order in its first iteration and in
+    backward order afterwards; with this order both agree, so a restarted DDP run (whose first
+    iteration uses registration order) sums gradients exactly like an uninterrupted one and
+    the comparison can be bitwise (docs/api.md, "DDP and bitwise resume")."""
+
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__(samples)
+        self.head = nn.Linear(32, 4, bias=False)
+        self.body = nn.Linear(16, 32, bias=False)
+        self.drop = nn.Dropout(0.1)  # RNG restore matters
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.body(x))))
 
 
 class ManualNet(Net):
@@ -144,17 +152,15 @@ def kill_then_resume_and_baseline(rank: int, world: int, folder: str, max_steps:
 # ------------------------------------------------------------------ ModelParallelStrategy (dp x tp)
 
 
-class TPNet(L.LightningModule):
+class TPNet(Recipe):
     """A two-layer MLP block, tensor-parallel (column then row) over the 'tensor_parallel' mesh
     dimension and FSDP2-sharded over 'data_parallel' in `configure_model`, the way Lightning's
     ModelParallelStrategy expects."""
 
     def __init__(self, samples: int = 64) -> None:
-        super().__init__()
+        super().__init__(samples)
         self.w1 = nn.Linear(16, 32, bias=False)
         self.w2 = nn.Linear(32, 4, bias=False)
-        self.samples = samples
-        self.seen: List[tuple] = []
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
@@ -168,21 +174,6 @@ class TPNet(L.LightningModule):
 
     def forward(self, x):
         return self.w2(torch.tanh(self.w1(x)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.seen.append((int(self.trainer.global_step), float(x.double().sum())))
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(1234)
-        data = TensorDataset(torch.randn(self.samples, 16, generator=g), torch.randn(self.samples, 4, generator=g))
-        return DataLoader(data, batch_size=4, shuffle=True)
 
 
 def _local(value: Any) -> Any:
