@@ -1,18 +1,26 @@
 """Bitwise 64-bit signatures of tensors, computed where the tensor lives.
 
-A signature is 16 hex characters. Guarantees:
+A signature is 16 hex characters. Two constructions, chosen by where the tensor lives, because
+the cheapest exact hash differs: a CPU core hashes bytes an order of magnitude faster with XXH3
+than with elementwise torch passes, while an accelerator would need a device-to-host copy of
+every byte to use XXH3 and instead runs the integer construction below at memory bandwidth.
+Signatures are compared among equivalent peers, whose tensors live on the same kind of device,
+so each construction is only ever compared with itself. Guarantees of both:
 
-- equal bytes, dtype and shape give equal signatures, on every rank and device (integer
-  arithmetic modulo 2**64 is exact, so the order of a reduction cannot matter);
-- any change confined to one aligned 8-byte word (every single-bit flip among them) changes the
-  signature, always: see the construction below;
-- a change of dtype or shape with the same bytes changes it (unless two 8-byte BLAKE2b digests
-  of the dtype/shape headers collide);
-- any other change (reordered elements, several corrupted words) changes it except with a
-  chance of about 2**-64.
+- equal bytes, dtype and shape give equal signatures, on every rank (integer arithmetic modulo
+  2**64 is exact, so the order of a reduction cannot matter; XXH3 is a byte-stream hash);
+- a change of dtype or shape with the same bytes changes it (the dtype and shape are hashed
+  with the bytes on the host, and through an 8-byte BLAKE2b key on devices);
+- any other change (a flipped bit, reordered elements, several corrupted words) changes it
+  except with a chance of about 2**-64;
+- on accelerators, any change confined to one aligned 8-byte word (every single-bit flip among
+  them) changes the signature always: see the construction below.
 
-Construction. The tensor's bytes, in logical (row-major) order, are read as little-endian
-64-bit words w_i (the last one zero-padded). Position i = b * BLOCK_WORDS + j gets the offset
+Host (CPU tensors): XXH3-64 of an ASCII dtype/shape header followed by the tensor's bytes in
+logical (row-major) order; about 15 GB/s per core, read in place for contiguous tensors.
+
+Device (other tensors). The tensor's bytes, in logical order, are read as little-endian 64-bit
+words w_i (the last one zero-padded). Position i = b * BLOCK_WORDS + j gets the offset
 c_j + b * K (c_j: a fixed table of pseudo-random words, K odd), and
 
     data = sum_i mix(w_i + c_j + b * K)   (mod 2**64)
@@ -26,28 +34,30 @@ cancel. The offsets make the terms position-dependent (moved elements land in ot
 A linear position hash alone (sum of w_i * odd_i) would not do: flipping the top bit of two
 words adds 2**63 * odd twice, which is 0 mod 2**64; mix spreads every input bit over the whole
 term first. The final mix is again a bijection of `data`, so the header cannot undo a data
-change.
+change. Cost: about ten elementwise integer passes over the words with torch ops on the
+tensor's device, in chunks of at most DEVICE_CHUNK_WORDS words, then one 8-byte result per
+tensor copied to the host (`structure_signature`: one copy for all of its tensors on a device).
+`integer_signature` computes this construction for a tensor on any device, the CPU included.
 
-Cost: about ten elementwise integer passes over the tensor's words with torch ops on the
-tensor's own device, in chunks (one work buffer of at most CPU_CHUNK_WORDS or
-DEVICE_CHUNK_WORDS words), then one 8-byte result per tensor copied to the host
-(`structure_signature`: one copy for all of its tensors on a device). Works for every dense
-dtype (bfloat16, bool and the float8 types included: the bytes are read through a `uint8`
-view), 0-d, empty and non-contiguous tensors. A DTensor is signed by its local shard. Words
-are little-endian, the byte order of every supported host and accelerator.
+Both work for every dense dtype (bfloat16, bool and the float8 types included: the bytes are
+read through a `uint8` view), 0-d, empty and non-contiguous tensors. A DTensor is signed by its
+local shard. Words are little-endian, the byte order of every supported host and accelerator.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+import xxhash
 
 SIGNATURE_BYTES = 8
 BLOCK_WORDS = 1 << 16           # positions repeat their table entry every block, with a new offset
 CPU_CHUNK_WORDS = BLOCK_WORDS   # 512 KiB work buffers stay in a CPU core's cache
 DEVICE_CHUNK_WORDS = 32 * BLOCK_WORDS  # 16 MiB work buffers: few kernel launches on accelerators
+HOST_PIECE_BYTES = 1 << 22      # a non-contiguous CPU tensor is copied 4 MiB at a time for hashing
 
 _MASK64 = (1 << 64) - 1
 _BLOCK_KEY = 0x9E3779B97F4A7C15  # odd
@@ -171,18 +181,38 @@ def _data_digest(t: torch.Tensor) -> torch.Tensor:
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
+def _header(t: torch.Tensor) -> bytes:
+    return f"{str(t.dtype).removeprefix('torch.')}|{tuple(int(d) for d in t.shape)}|".encode("ascii")
+
+
 def _header_key(t: torch.Tensor) -> int:
-    header = f"{str(t.dtype).removeprefix('torch.')}|{tuple(int(d) for d in t.shape)}|".encode("ascii")
-    return int.from_bytes(hashlib.blake2b(header, digest_size=SIGNATURE_BYTES).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(_header(t), digest_size=SIGNATURE_BYTES).digest(), "little")
 
 
 def _finish(data: int, key: int) -> str:
     return f"{_mix_host((data & _MASK64) ^ key):016x}"
 
 
+def _host_signature(t: torch.Tensor) -> str:
+    """XXH3-64 of the header and the bytes of a CPU tensor, read in place where contiguous."""
+    h = xxhash.xxh3_64(_header(t))
+    for piece in _byte_pieces(t, HOST_PIECE_BYTES):
+        # `piece` stays referenced while XXH3 reads its memory.
+        h.update(memoryview((ctypes.c_ubyte * piece.numel()).from_address(piece.data_ptr())))
+    return f"{h.intdigest():016x}"
+
+
+def integer_signature(t: torch.Tensor) -> str:
+    """The device construction of `t`'s signature, computed on `t`'s own device (any device)."""
+    t = _local(t)
+    return _finish(int(_data_digest(t).item()), _header_key(t))
+
+
 def tensor_signature(t: torch.Tensor) -> str:
     """A bitwise 64-bit signature (16 hex chars) of `t`'s bytes, dtype and shape."""
     t = _local(t)
+    if t.device.type == "cpu":
+        return _host_signature(t)
     return _finish(int(_data_digest(t).item()), _header_key(t))
 
 
@@ -190,24 +220,25 @@ def structure_signature(tensors: Iterable[Optional[torch.Tensor]]) -> str:
     """One signature of an ordered collection of tensors (None entries allowed and counted).
 
     Order matters: the same tensors in a different order sign differently. The digests of all
-    tensors on one device reach the host in a single copy."""
-    entries: List[Optional[Tuple[torch.Tensor, int]]] = []
+    tensors on one accelerator reach the host in a single copy."""
+    signed: List[Optional[str]] = []
+    pending: Dict[torch.device, List[Tuple[int, torch.Tensor, int]]] = {}
     for t in tensors:
         if t is None:
-            entries.append(None)
+            signed.append(None)
             continue
         t = _local(t)
-        entries.append((_data_digest(t), _header_key(t)))
-    by_device: Dict[torch.device, List[int]] = {}
-    for index, entry in enumerate(entries):
-        if entry is not None:
-            by_device.setdefault(entry[0].device, []).append(index)
-    data: Dict[int, int] = {}
-    for indices in by_device.values():
-        values = torch.stack([entries[i][0] for i in indices]).cpu().tolist()
-        data.update(zip(indices, values))
+        if t.device.type == "cpu":
+            signed.append(_host_signature(t))
+            continue
+        pending.setdefault(t.device, []).append((len(signed), _data_digest(t), _header_key(t)))
+        signed.append(None)
+    for entries in pending.values():
+        values = torch.stack([digest for _, digest, _ in entries]).cpu().tolist()
+        for (index, _, key), data in zip(entries, values):
+            signed[index] = _finish(data, key)
     h = hashlib.blake2b(digest_size=SIGNATURE_BYTES)
-    for index, entry in enumerate(entries):
-        h.update(b"none;" if entry is None else _finish(data[index], entry[1]).encode("ascii") + b";")
-    h.update(f"#{len(entries)}".encode("ascii"))
+    for value in signed:
+        h.update(b"none;" if value is None else value.encode("ascii") + b";")
+    h.update(f"#{len(signed)}".encode("ascii"))
     return h.hexdigest()

@@ -9,7 +9,7 @@ from lm_resiliency.scout.peers import dense_peer_groups, group_of, peer_groups_f
 from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector
 from lm_resiliency.scout.reports import replay_fault_reports
 from lm_resiliency.scout import signature
-from lm_resiliency.scout.signature import structure_signature, tensor_signature
+from lm_resiliency.scout.signature import integer_signature, structure_signature, tensor_signature
 from tests.distributed.scout_workloads import TinyLM, make_model
 from tests.harness import run_ranks
 
@@ -44,29 +44,42 @@ def _reference_signature(t):
     return f"{_mix((data & _MASK) ^ key):016x}"
 
 
+@pytest.fixture(params=["host", "integer"])
+def sign(request):
+    """Both constructions: the host's (XXH3, every CPU tensor) and the accelerators' integer one,
+    which runs on CPU tensors too through `integer_signature`."""
+    return tensor_signature if request.param == "host" else integer_signature
+
+
 def _flip(t, byte, bit):
     raw = t.reshape(-1).view(torch.uint8).clone()
     raw[byte] ^= 1 << bit
     return raw.view(t.dtype).view(t.shape)
 
 
-def test_signature_is_16_hex_chars_and_equal_for_equal_tensors():
+def test_signature_is_16_hex_chars_and_equal_for_equal_tensors(sign):
     a = torch.randn(5, 7)
-    sig = tensor_signature(a)
+    sig = sign(a)
     assert len(sig) == 16 and int(sig, 16) >= 0
-    assert tensor_signature(a.clone()) == sig
-    assert tensor_signature(a.t().contiguous().t()) == sig  # same values, other strides
-    assert tensor_signature(a.requires_grad_()) == sig
+    assert sign(a.clone()) == sig
+    assert sign(a.t().contiguous().t()) == sig  # same values, other strides
+    assert sign(a.requires_grad_()) == sig
 
 
 def test_signature_follows_the_documented_construction():
-    # A known answer pins the function (every rank and release must agree), and the reference
-    # implementation checks the documented formula, across a block boundary and a padded tail.
-    assert tensor_signature(torch.arange(10, dtype=torch.int64)) == "cdaeac00ad6998e2"
+    # Known answers pin both constructions (every rank and release must agree), and the reference
+    # implementations check the documented formulas, across a block boundary and a padded tail.
+    import xxhash
+
+    assert tensor_signature(torch.arange(10, dtype=torch.int64)) == "efcb2543e42b3a30"
+    assert integer_signature(torch.arange(10, dtype=torch.int64)) == "cdaeac00ad6998e2"
     gen = torch.Generator().manual_seed(1)
     for t in (torch.randint(-2**31, 2**31, (signature.BLOCK_WORDS * 2 + 3,), dtype=torch.int32, generator=gen),
               torch.tensor(7, dtype=torch.uint8), torch.randn(3, 3, dtype=torch.float16, generator=gen)):
-        assert tensor_signature(t) == _reference_signature(t)
+        assert integer_signature(t) == _reference_signature(t)
+        header = f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode("ascii")
+        raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+        assert tensor_signature(t) == xxhash.xxh3_64(header + raw).hexdigest()
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int32, torch.int64,
@@ -74,14 +87,14 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_single_bit_flip_changes_the_signature(dtype):
+def test_every_single_bit_flip_changes_the_signature(dtype, sign):
     t = (torch.randn(3, 5) * 4).to(dtype)
-    base = tensor_signature(t)
+    base = sign(t)
     nbytes = t.numel() * t.element_size()
     seen = {base}
     for byte in range(nbytes):
         for bit in range(8):
-            sig = tensor_signature(_flip(t, byte, bit))
+            sig = sign(_flip(t, byte, bit))
             assert sig != base, (dtype, byte, bit)
             seen.add(sig)
     assert len(seen) == nbytes * 8 + 1  # and no two flips collide
@@ -89,18 +102,18 @@ def test_every_single_bit_flip_changes_the_signature(dtype):
 
 @pytest.mark.parametrize("shape,dtype", [((3,), torch.uint8), ((5,), torch.float16), ((7,), torch.bool),
                                          ((3, 3), torch.bfloat16), ((), torch.float32), ((1, 1, 1), torch.int8)])
-def test_odd_byte_lengths_and_0d_tensors_detect_every_bit_flip(shape, dtype):
+def test_odd_byte_lengths_and_0d_tensors_detect_every_bit_flip(shape, dtype, sign):
     t = (torch.randn(shape) * 4).to(dtype)
-    base = tensor_signature(t)
-    flips = {tensor_signature(_flip(t, byte, bit)) for byte in range(t.numel() * t.element_size())
+    base = sign(t)
+    flips = {sign(_flip(t, byte, bit)) for byte in range(t.numel() * t.element_size())
              for bit in range(8)}
     assert base not in flips and len(flips) == t.numel() * t.element_size() * 8
 
 
-def test_random_bit_flips_in_a_large_tensor_spanning_chunks():
+def test_random_bit_flips_in_a_large_tensor_spanning_chunks(sign):
     # 2.5 CPU chunks plus a 12-byte tail: flips land in every chunk, at chunk edges, in the padded word.
     t = torch.randn(signature.CPU_CHUNK_WORDS * 5 + 3, generator=torch.Generator().manual_seed(2))
-    base = tensor_signature(t)
+    base = sign(t)
     nbytes = t.numel() * 4
     gen = torch.Generator().manual_seed(3)
     flips = {(int(byte), int(bit)) for byte, bit in zip(torch.randint(0, nbytes, (60,), generator=gen),
@@ -108,95 +121,98 @@ def test_random_bit_flips_in_a_large_tensor_spanning_chunks():
     flips |= {(0, 0), (nbytes - 1, 7), (signature.CPU_CHUNK_WORDS * 8, 0), (signature.CPU_CHUNK_WORDS * 8 - 1, 7)}
     seen = {base}
     for byte, bit in flips:
-        sig = tensor_signature(_flip(t, byte, bit))
+        sig = sign(_flip(t, byte, bit))
         assert sig != base, (byte, bit)
         seen.add(sig)
     assert len(seen) == len(flips) + 1
 
 
-def test_two_sign_flips_that_cancel_in_a_linear_hash_change_it():
+def test_two_sign_flips_that_cancel_in_a_linear_hash_change_it(sign):
     # Flipping the top bit of two 64-bit words adds 2**63 * odd twice (0 mod 2**64) to a purely
     # linear word hash; the per-word mix makes every such pair visible.
     t = torch.randn(64, dtype=torch.float64)
-    base = tensor_signature(t)
+    base = sign(t)
     seen = set()
     for i in range(0, 64, 3):
         for j in range(i + 1, 64, 5):
             u = t.clone()
             u[i], u[j] = -u[i], -u[j]
-            seen.add(tensor_signature(u))
+            seen.add(sign(u))
     assert base not in seen and len(seen) == sum(len(range(i + 1, 64, 5)) for i in range(0, 64, 3))
 
 
-def test_reordered_elements_change_it():
+def test_reordered_elements_change_it(sign):
     gen = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16, torch.uint8):
         t = (torch.randn(4, 33, generator=gen) * 50).to(dtype)
-        base = tensor_signature(t)
+        base = sign(t)
         flat = t.reshape(-1)
         perms = [torch.randperm(flat.numel(), generator=gen) for _ in range(20)]
-        sigs = {tensor_signature(flat[p].reshape(t.shape)) for p in perms}
+        sigs = {sign(flat[p].reshape(t.shape)) for p in perms}
         assert base not in sigs and len(sigs) == 20
-        assert tensor_signature(t.flip(0)) != base and tensor_signature(t.roll(1, 1)) != base
+        assert sign(t.flip(0)) != base and sign(t.roll(1, 1)) != base
         a, b = (0, 1) if flat[0] != flat[1] else (0, int((flat != flat[0]).nonzero()[0]))
         swapped = flat.clone()
         swapped[a], swapped[b] = flat[b], flat[a]  # two elements inside one 8-byte word
-        assert tensor_signature(swapped.reshape(t.shape)) != base
+        assert sign(swapped.reshape(t.shape)) != base
 
 
-def test_lowest_mantissa_bit_via_int32_view_changes_it():
+def test_lowest_mantissa_bit_via_int32_view_changes_it(sign):
     t = torch.randn(16)
     u = t.clone()
     u.view(torch.int32)[3] ^= 1
     assert not torch.equal(t.view(torch.int32), u.view(torch.int32))
-    assert tensor_signature(t) != tensor_signature(u)
-    assert tensor_signature(torch.tensor([0.0])) != tensor_signature(torch.tensor([-0.0]))
+    assert sign(t) != sign(u)
+    assert sign(torch.tensor([0.0])) != sign(torch.tensor([-0.0]))
 
 
-def test_dtype_and_shape_are_part_of_the_signature():
+def test_dtype_and_shape_are_part_of_the_signature(sign):
     t = torch.zeros(4, 6)
-    assert tensor_signature(t) != tensor_signature(t.reshape(6, 4))
-    assert tensor_signature(t) != tensor_signature(t.reshape(24))
-    assert tensor_signature(t) != tensor_signature(t.view(torch.int32))  # same bytes, other dtype
-    assert tensor_signature(t) != tensor_signature(t.view(torch.uint8))
-    assert tensor_signature(torch.zeros(2, dtype=torch.int16)) != tensor_signature(torch.zeros(1, dtype=torch.int32))
-    assert tensor_signature(torch.zeros(0)) != tensor_signature(torch.zeros(0, 3))
-    assert tensor_signature(torch.zeros(0)) != tensor_signature(torch.zeros(0, dtype=torch.int8))
-    assert tensor_signature(torch.tensor(0.0)) != tensor_signature(torch.zeros(1))
+    assert sign(t) != sign(t.reshape(6, 4))
+    assert sign(t) != sign(t.reshape(24))
+    assert sign(t) != sign(t.view(torch.int32))  # same bytes, other dtype
+    assert sign(t) != sign(t.view(torch.uint8))
+    assert sign(torch.zeros(2, dtype=torch.int16)) != sign(torch.zeros(1, dtype=torch.int32))
+    assert sign(torch.zeros(0)) != sign(torch.zeros(0, 3))
+    assert sign(torch.zeros(0)) != sign(torch.zeros(0, dtype=torch.int8))
+    assert sign(torch.tensor(0.0)) != sign(torch.zeros(1))
     r = torch.randn(8)
-    assert tensor_signature(r.to(torch.bfloat16)) != tensor_signature(r.to(torch.float16))
+    assert sign(r.to(torch.bfloat16)) != sign(r.to(torch.float16))
 
 
-def test_views_and_non_contiguous_tensors_sign_their_values():
+def test_views_and_non_contiguous_tensors_sign_their_values(sign):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    assert tensor_signature(base[:, 1]) == tensor_signature(base[:, 1].contiguous())
-    assert tensor_signature(base[1:3]) == tensor_signature(torch.arange(6, 18, dtype=torch.float32).reshape(2, 6))
-    assert tensor_signature(base[:, 1:]) == tensor_signature(base[:, 1:].contiguous())
-    assert tensor_signature(torch.tensor(3.0)) == tensor_signature(torch.tensor(3.0))
-    assert tensor_signature(torch.tensor(3.0)) != tensor_signature(torch.tensor([3.0]))
-    assert tensor_signature(torch.ones(3, 1).expand(3, 5)) == tensor_signature(torch.ones(3, 5))
+    assert sign(base[:, 1]) == sign(base[:, 1].contiguous())
+    assert sign(base[1:3]) == sign(torch.arange(6, 18, dtype=torch.float32).reshape(2, 6))
+    assert sign(base[:, 1:]) == sign(base[:, 1:].contiguous())
+    assert sign(torch.tensor(3.0)) == sign(torch.tensor(3.0))
+    assert sign(torch.tensor(3.0)) != sign(torch.tensor([3.0]))
+    assert sign(torch.ones(3, 1).expand(3, 5)) == sign(torch.ones(3, 5))
     c = torch.randn(4, dtype=torch.complex64)
-    assert tensor_signature(c.conj()) == tensor_signature(c.conj().resolve_conj()) != tensor_signature(c)
+    assert sign(c.conj()) == sign(c.conj().resolve_conj()) != sign(c)
 
 
-def test_large_non_contiguous_tensors_are_copied_in_bounded_pieces():
+def test_large_non_contiguous_tensors_are_copied_in_bounded_pieces(sign):
     gen = torch.Generator().manual_seed(5)
     tall = torch.randn(signature.CPU_CHUNK_WORDS, 3, generator=gen)
     wide = tall.t()                  # rows of 512 KiB, each a strided view: signed row by row
     assert not wide.is_contiguous()
-    assert tensor_signature(wide) == tensor_signature(wide.contiguous())
+    assert sign(wide) == sign(wide.contiguous())
     odd = torch.randn(1001, 7, generator=gen, dtype=torch.float64).to(torch.float16)[:, ::2]
-    assert tensor_signature(odd) == tensor_signature(odd.contiguous())  # 6-byte rows straddle words
+    assert sign(odd) == sign(odd.contiguous())  # 6-byte rows straddle words
 
 
-def test_chunk_size_does_not_change_the_signature(monkeypatch):
-    # CPU and accelerators chunk differently; the result must not depend on it.
+def test_chunk_size_does_not_change_the_signature(monkeypatch, sign):
+    # CPU and accelerators chunk differently, and the host copies strided tensors in pieces; the
+    # result must not depend on either.
     t = torch.randn(signature.BLOCK_WORDS * 6 + 12, generator=torch.Generator().manual_seed(6))
-    expected = tensor_signature(t)
+    expected = sign(t)
+    strided = sign(t.reshape(-1, 3)[:, :2].contiguous())
     for words in (signature.BLOCK_WORDS * 2, signature.BLOCK_WORDS * 64):
         monkeypatch.setattr(signature, "CPU_CHUNK_WORDS", words)
-        assert tensor_signature(t) == expected
-        assert tensor_signature(t.reshape(-1, 3)[:, :2]) == tensor_signature(t.reshape(-1, 3)[:, :2].contiguous())
+        monkeypatch.setattr(signature, "HOST_PIECE_BYTES", words * 8)
+        assert sign(t) == expected
+        assert sign(t.reshape(-1, 3)[:, :2]) == strided
 
 
 def test_structure_signature_covers_order_count_and_none():
@@ -222,16 +238,18 @@ def test_signature_rejects_non_tensors_and_sparse():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_sign_on_the_device_like_cpu_tensors():
+def test_cuda_tensors_sign_on_the_device_with_the_integer_construction():
     gen = torch.Generator().manual_seed(7)
     for t in (torch.randn(signature.DEVICE_CHUNK_WORDS * 2 + 5, generator=gen), torch.randn(3, 5).to(torch.bfloat16),
               torch.ones(7, dtype=torch.bool), torch.tensor(2.5), torch.zeros(0, 4),
               torch.randn(64, 48, generator=gen).t()):
-        assert tensor_signature(t.cuda()) == tensor_signature(t)
+        assert tensor_signature(t.cuda()) == integer_signature(t)
     a, b = torch.randn(9), torch.randn(4, 4)
-    assert structure_signature([a.cuda(), None, b]) == structure_signature([a, None, b])
+    mixed = structure_signature([a.cuda(), None, b.cuda(), b])
+    assert structure_signature([a.clone().cuda(), None, b.cuda(), b.clone()]) == mixed
     flipped = _flip(a, 5, 3).cuda()
     assert tensor_signature(flipped) != tensor_signature(a.cuda())
+    assert structure_signature([flipped, None, b.cuda(), b]) != mixed
 
 
 def _dtensor_rank(rank, world):
