@@ -4,7 +4,10 @@
 
 `--ranks` real processes joined by gloo (TCPStore, as under torchrun) train a small language
 model (an `nn.Embedding`, `--blocks` residual MLP blocks in an `nn.ModuleList`, a vocabulary
-head) with DDP and Adam, one thread each. Configurations live side by side in the same
+head) with DDP and Adam, one thread each. A check replays the embedding, one block and the
+head; with the default 24 blocks that is 11.5% of the model's per-token multiply-adds, close to
+a Llama-3-8B's 10% (one of 32 blocks and its head), so the replayed share of a step is that of a
+real decoder. `--blocks 4` makes the replayed modules half the model, a worst case. Configurations live side by side in the same
 processes, each with its own model and optimizer (same initial weights): the unchanged loop
 (baseline), the loop under `enable_resiliency(..., interval=10, enable_checkpoint=False)`
 (SCOUT only, every check class every 10 steps) and, unless `--no-interval-1`, the same at
@@ -46,6 +49,13 @@ _PARTS = ("capture", "run", "probe", "signatures", "replay_embedding", "replay_h
 _ACC: Dict[str, float] = {name: 0.0 for name in _HOOKS + _PARTS}
 FIELDS = ("step",) + _HOOKS + _PARTS
 _IN_PROBE = [False]  # the probe's own JSON gather belongs to the probe, not to the replay
+
+
+def replayed_share(vocab: int, dim: int, blocks: int) -> float:
+    """The per-token multiply-adds of the modules a check replays (the embedding is a lookup, one
+    dim -> 4 dim -> dim block, the dim -> vocab head) over the whole model's."""
+    block, head = 8 * dim * dim, dim * vocab
+    return (block + head) / (blocks * block + head)
 
 
 def log(msg: str) -> None:
@@ -427,10 +437,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="gloo processes on this machine (>= 3 for rank localization)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary (embedding rows, head outputs)")
     p.add_argument("--dim", type=int, default=256, help="model width (MLP blocks are dim -> 4*dim -> dim)")
-    p.add_argument("--blocks", type=int, default=4, help="residual MLP blocks (the hidden check rotates over them)")
+    p.add_argument("--blocks", type=int, default=24,
+                   help="residual MLP blocks (the hidden check rotates over them); 4 is the worst case")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: calibrate to --step-ms)")
-    p.add_argument("--step-ms", type=float, default=150.0, help="baseline step time the batch is sized for")
+    p.add_argument("--step-ms", type=float, default=600.0, help="baseline step time the batch is sized for")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch the calibration may pick")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     p.add_argument("--steps", type=int, default=50,
@@ -438,7 +449,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-interval-1", dest="interval_1", action="store_false",
                    help="skip the SCOUT interval 1 configuration")
     p.add_argument("--out", default="benchmarks/results/scout.json", help="JSON results path")
-    p.add_argument("--timeout", type=float, default=900.0, help="limit for the whole run and every wait (s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="limit for the whole run and every wait (s)")
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error("--ranks must be >= 2")
@@ -473,10 +484,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     noise = (max(spread) - min(spread)) / statistics.mean(spread) * 100.0
     false_alarms = {e["name"]: len(e.get("faults", [])) for e in r0["configs"][1:]}
     oob = {e["name"]: len(e.get("oob_reports", [])) for e in r0["configs"][1:]}
+    share = replayed_share(args.vocab, args.dim, args.blocks)
     result = {
         "benchmark": "scout",
         "config": {"ranks": args.ranks, "model": {"vocab": args.vocab, "dim": args.dim, "blocks": args.blocks,
-                                                  "seq": args.seq, "params": r0["params"]},
+                                                  "seq": args.seq, "params": r0["params"],
+                                                  "replayed_share_of_macs": share},
                    "batch": r0["batch"], "step_ms_target": args.step_ms, "rounds": args.rounds,
                    "steps_per_round": args.steps, "optimizer": "Adam", "wrapper": "DDP",
                    "enable_checkpoint": False, "replay_defaults": "ReplayHarnessConfig() with interval=N"},
@@ -501,7 +514,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     catalog = r0["configs"][1].get("catalog", {})
     print(f"SCOUT overhead: {args.ranks} ranks (gloo, TCPStore, 1 thread each) on {os.cpu_count()} CPUs, DDP TinyLM "
           f"({r0['params'] / 1e6:.1f} M params: embedding {args.vocab}x{args.dim}, {args.blocks} MLP blocks, head) + "
-          f"Adam, batch {r0['batch']} x {args.seq} tokens/rank, torch {torch.__version__}")
+          f"Adam, batch {r0['batch']} x {args.seq} tokens/rank, torch {torch.__version__}; a check replays the "
+          f"embedding, one block and the head: {share * 100:.1f}% of the model's per-token multiply-adds")
     print(f"{args.rounds} interleaved rounds x {args.steps} steps per config (order rotated), enable_checkpoint=False, "
           f"replay peers {r0['configs'][1].get('group_ranks')}, collective probe "
           f"{'on' if r0['configs'][1].get('probe') else 'off (needs > 2 ranks)'}; catalog: embedding "

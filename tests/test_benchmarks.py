@@ -1,0 +1,29 @@
+"""The SCOUT benchmark runs end to end on a tiny model (its numbers are read in benchmarks/README.md,
+never asserted here: timing depends on the machine)."""
+
+import json
+
+import pytest
+
+from benchmarks import scout_bench
+
+
+def test_replayed_share_is_the_sampled_modules_share_of_multiply_adds():
+    # One dim -> 4 dim -> dim block is 8 dim^2 multiply-adds per token, the head dim x vocab:
+    # (524288 + 1048576) / (24 * 524288 + 1048576) for the default model.
+    assert scout_bench.replayed_share(4096, 256, 24) == pytest.approx(0.1154, abs=1e-4)
+    assert scout_bench.replayed_share(4096, 256, 4) == pytest.approx(0.5)
+
+
+def test_scout_benchmark_runs_checks_without_false_alarms(tmp_path):
+    out = tmp_path / "scout.json"
+    assert scout_bench.main(["--ranks", "3", "--blocks", "2", "--dim", "32", "--vocab", "64", "--seq", "8",
+                             "--batch", "2", "--rounds", "1", "--steps", "20", "--no-interval-1",
+                             "--out", str(out), "--timeout", "120"]) == 0
+    result = json.loads(out.read_text())
+    assert [row["config"] for row in result["rows"]] == ["baseline", "SCOUT interval 10"]
+    scout = result["summaries"][1]
+    assert scout["steps"] == 20 and scout["checks"] == 2
+    assert result["unhealthy_replay_results"] == {"SCOUT interval 10": 0}
+    assert result["oob_reports"] == {"SCOUT interval 10": 0}
+    assert result["config"]["model"]["replayed_share_of_macs"] == pytest.approx(10240 / 18432)
