@@ -215,6 +215,20 @@ def test_chunk_size_does_not_change_the_signature(monkeypatch, sign):
         assert sign(t.reshape(-1, 3)[:, :2]) == strided
 
 
+def test_host_hashing_through_power_of_two_windows_reads_every_byte(monkeypatch):
+    # CPU memory is read in windows of at most HOST_WINDOW_BYTES, the tail split into powers of
+    # two (ctypes keeps one array type per length forever); the digest must equal XXH3 of all bytes.
+    import xxhash
+
+    monkeypatch.setattr(signature, "HOST_WINDOW_BYTES", 64)
+    gen = torch.Generator().manual_seed(8)
+    for n in (1, 63, 64, 65, 64 * 5 + 37, 4099):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        expected = xxhash.xxh3_64(f"uint8|({n},)|".encode("ascii") + bytes(t.tolist())).hexdigest()
+        assert tensor_signature(t) == expected, n
+        assert tensor_signature(t[1:]) != expected
+
+
 def test_structure_signature_covers_order_count_and_none():
     a, b = torch.ones(3), torch.zeros(3)
     assert structure_signature([a, b]) == structure_signature([a.clone(), b.clone()])
