@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency.manager_api import OrchestrationHooks
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.replay import ReplayDetector, ReplayError
 from lm_resiliency.scout.reports import replay_fault_reports
@@ -51,6 +52,12 @@ def make_model(seed: int = 0) -> TinyLM:
 
 
 # -- faults (applied to a module output, one rank only) ---------------------------------------
+
+def recording_hooks(events: list) -> OrchestrationHooks:
+    """Orchestration hooks that append ("fault", report JSON) and ("recovery", decision JSON) to `events`."""
+    return OrchestrationHooks(report_fault=lambda r: events.append(("fault", r.to_json())),
+                              report_recovery=lambda d: events.append(("recovery", d.to_json())))
+
 
 def _target_index(out: torch.Tensor) -> int:
     return int(out.detach().reshape(-1).abs().argmax())

@@ -12,9 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
 from lm_resiliency.scout.signature import structure_signature
-from tests.distributed.scout_workloads import make_model, sign_flip
+from tests.distributed.scout_workloads import make_model, recording_hooks, sign_flip
 
 DONE_KEY = "test/sweep/done"
 
@@ -42,8 +42,7 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
     ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     events = []
-    hooks = OrchestrationHooks(report_fault=lambda r: events.append(("fault", r.to_json())),
-                               report_recovery=lambda d: events.append(("recovery", d.to_json())))
+    hooks = recording_hooks(events)
     session = enable_resiliency(
         ddp, optimizer, interval=2, orchestration=hooks,
         fault_callback=lambda result: events.append(("callback", sorted({r for c in result.checks

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
+from tests.distributed.scout_workloads import recording_hooks
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,8 +37,7 @@ def _train(rank, world, folder, steps, detection=True, corrupt_from=None):
     ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     events = []
-    hooks = OrchestrationHooks(report_fault=lambda r: events.append(("fault", r.to_json())),
-                               report_recovery=lambda d: events.append(("recovery", d.to_json())))
+    hooks = recording_hooks(events)
     session = enable_resiliency(
         ddp, optimizer, interval=2, enable_detection=detection, orchestration=hooks,
         checkpoint=InMemoryCkptConfig(disk_folder=folder, disk_flush_interval=2, run_id="scout-session",
