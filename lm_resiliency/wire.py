@@ -9,6 +9,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.tensor_bytes import tensor_bytes
+
 
 def encode_json(value: Any) -> torch.Tensor:
     raw = json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":")).encode("utf-8")
@@ -16,7 +18,7 @@ def encode_json(value: Any) -> torch.Tensor:
 
 
 def decode_json(data: torch.Tensor) -> Any:
-    return json.loads(bytes(data.numpy().tobytes()).decode("utf-8"))
+    return json.loads(tensor_bytes(data).decode("utf-8"))
 
 
 _FIRST_ROUND_BYTES = 16384  # most agreement documents fit: one collective instead of two

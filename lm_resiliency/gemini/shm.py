@@ -66,6 +66,7 @@ import torch
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
+from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,8 @@ def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
     canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
                            allow_nan=False, separators=(",", ":")).encode("utf-8")
     crc = zlib.crc32(canonical)
-    if payload.numel():
-        crc = zlib.crc32(memoryview(payload.numpy()), crc)
+    for window in byte_windows(payload):
+        crc = zlib.crc32(window, crc)
     return crc
 
 

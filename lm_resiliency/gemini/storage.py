@@ -51,6 +51,7 @@ import torch
 from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
 
 from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,10 @@ def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
     """CRC-32 over the canonical metadata (everything but the CRC) and the payload bytes, so a
     flipped byte in the structure or identity is caught as surely as one in a tensor."""
     canonical = json.dumps(metadata, sort_keys=True, allow_nan=False, separators=(",", ":"))
-    return zlib.crc32(memoryview(payload.numpy()), zlib.crc32(canonical.encode("utf-8")))
+    crc = zlib.crc32(canonical.encode("utf-8"))
+    for window in byte_windows(payload):
+        crc = zlib.crc32(window, crc)
+    return crc
 
 
 def _summarize(exc: BaseException) -> str:

@@ -46,19 +46,19 @@ local shard. Words are little-endian, the byte order of every supported host and
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import xxhash
 
+from lm_resiliency.tensor_bytes import byte_windows
+
 SIGNATURE_BYTES = 8
 BLOCK_WORDS = 1 << 16           # positions repeat their table entry every block, with a new offset
 CPU_CHUNK_WORDS = BLOCK_WORDS   # 512 KiB work buffers stay in a CPU core's cache
 DEVICE_CHUNK_WORDS = 32 * BLOCK_WORDS  # 16 MiB work buffers: few kernel launches on accelerators
 HOST_PIECE_BYTES = 1 << 22      # a non-contiguous CPU tensor is copied 4 MiB at a time for hashing
-HOST_WINDOW_BYTES = 1 << 24     # CPU memory is hashed in place through windows of at most 16 MiB
 
 _MASK64 = (1 << 64) - 1
 _BLOCK_KEY = 0x9E3779B97F4A7C15  # odd
@@ -194,24 +194,12 @@ def _finish(data: int, key: int) -> str:
     return f"{_mix_host((data & _MASK64) ^ key):016x}"
 
 
-def _hash_in_place(h: "xxhash.xxh3_64", piece: torch.Tensor) -> None:
-    """Feed a contiguous CPU uint8 tensor to `h` without copying it.
-
-    ctypes keeps every array type it creates, one per length, for the life of the process, so
-    the memory is read through windows whose lengths are powers of two up to HOST_WINDOW_BYTES:
-    at most 25 types ever, whatever the tensor sizes."""
-    address, n, offset = piece.data_ptr(), piece.numel(), 0
-    while offset < n:
-        size = min(HOST_WINDOW_BYTES, 1 << ((n - offset).bit_length() - 1))
-        h.update(memoryview((ctypes.c_ubyte * size).from_address(address + offset)))
-        offset += size
-
-
 def _host_signature(t: torch.Tensor) -> str:
     """XXH3-64 of the header and the bytes of a CPU tensor, read in place where contiguous."""
     h = xxhash.xxh3_64(_header(t))
     for piece in _byte_pieces(t, HOST_PIECE_BYTES):
-        _hash_in_place(h, piece)  # `piece` stays referenced while XXH3 reads its memory
+        for window in byte_windows(piece):  # `piece` stays referenced while XXH3 reads its memory
+            h.update(window)
     return f"{h.intdigest():016x}"
 
 

@@ -55,6 +55,7 @@ from lm_resiliency.scout.invocation import (
 from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector, unwrap_model
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.signature import structure_signature
+from lm_resiliency.tensor_bytes import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class FullCatalogSweep:
         buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
         for view, tensor in zip(layout.views(buffer), encoded.tensors):
             view.copy_(tensor.reshape(view.shape))
-        exchange.publish_bytes("payload", buffer.numpy().tobytes())   # before the header that announces it
+        exchange.publish_bytes("payload", tensor_bytes(buffer))   # before the header that announces it
         exchange.publish(f"header/{self.rank}", {"ok": True, "step": recorded.step, "structure": encoded.structure,
                                     "layout": layout.to_json(), "autocast": recorded.autocast,
                                     "training": recorded.training})

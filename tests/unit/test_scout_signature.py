@@ -8,6 +8,7 @@ from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.peers import dense_peer_groups, group_of, peer_groups_from_mesh, vote
 from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector
 from lm_resiliency.scout.reports import replay_fault_reports
+from lm_resiliency import tensor_bytes
 from lm_resiliency.scout import signature
 from lm_resiliency.scout.signature import integer_signature, structure_signature, tensor_signature
 from tests.distributed.scout_workloads import TinyLM, make_model
@@ -216,11 +217,11 @@ def test_chunk_size_does_not_change_the_signature(monkeypatch, sign):
 
 
 def test_host_hashing_through_power_of_two_windows_reads_every_byte(monkeypatch):
-    # CPU memory is read in windows of at most HOST_WINDOW_BYTES, the tail split into powers of
-    # two (ctypes keeps one array type per length forever); the digest must equal XXH3 of all bytes.
+    # CPU memory is read in windows of at most tensor_bytes.WINDOW_BYTES, the tail split into powers
+    # of two (ctypes keeps one array type per length forever); the digest must equal XXH3 of all bytes.
     import xxhash
 
-    monkeypatch.setattr(signature, "HOST_WINDOW_BYTES", 64)
+    monkeypatch.setattr(tensor_bytes, "WINDOW_BYTES", 64)
     gen = torch.Generator().manual_seed(8)
     for n in (1, 63, 64, 65, 64 * 5 + 37, 4099):
         t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
