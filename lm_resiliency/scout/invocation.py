@@ -4,7 +4,8 @@ every peer. Shared by the per-check replay (replay.py) and the full-catalog swee
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -56,6 +57,19 @@ def module_device(module: nn.Module) -> torch.device:
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer of `module` (running statistics, counters) after a replay, which must
+    not change the live model."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
 
 
 class SeededRng:

@@ -9,9 +9,14 @@ two peers that disagree localize the fault to the pair, never to a guessed rank.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from lm_resiliency.scout.reports import CheckOutcome
+
+logger = logging.getLogger(__name__)
 
 CLEAN, SDC, PEER_GROUP, INCONCLUSIVE = "clean", "sdc", "peer_group", "inconclusive"
 
@@ -92,6 +97,19 @@ def vote(signatures: Dict[int, str]) -> Tuple[str, Tuple[int, ...]]:
     if votes * 2 > n:
         return SDC, tuple(sorted(rank for rank, sig in signatures.items() if sig != majority))
     return INCONCLUSIVE, ()
+
+
+def voted_outcome(check: str, path: str, ranks: Sequence[int], signatures: Dict[int, str], where: str, *,
+                  hosts: Optional[Mapping[int, str]] = None,
+                  timings: Optional[Mapping[int, float]] = None) -> CheckOutcome:
+    """The vote on one check's signatures as a `CheckOutcome`; a verdict other than clean is
+    logged with the signatures (`where` names the replay: a step's check, or the sweep)."""
+    verdict, faulty = vote(signatures)
+    if verdict != CLEAN:
+        logger.warning("SCOUT %s, %s of %s: %s, faulty=%s, signatures=%s", where, check, path, verdict,
+                       list(faulty), signatures)
+    return CheckOutcome(check=check, module_path=path, group_ranks=tuple(ranks), signatures=signatures,
+                        verdict=verdict, faulty=faulty, hosts=dict(hosts or {}), timings_s=dict(timings or {}))
 
 
 # Mesh dimension names (PyTorch's, Lightning's, torchtitan's) along which replicas or FSDP shard

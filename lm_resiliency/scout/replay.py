@@ -47,11 +47,12 @@ from lm_resiliency.scout.invocation import (
     clone_inputs,
     map_tensors,
     module_device,
+    preserved_buffers,
     sync_device,
     tensors_in,
     to_device,
 )
-from lm_resiliency.scout.peers import CLEAN, vote
+from lm_resiliency.scout.peers import CLEAN, voted_outcome
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
@@ -468,11 +469,10 @@ class ReplayDetector:
         try:
             args, kwargs = to_device(invocation["args"], device), to_device(invocation["kwargs"], device)
             leaves: List[torch.Tensor] = []
-            saved = [(b, b.detach().clone()) for b in module.buffers()]
             self._replaying = True
             try:
-                with torch.set_grad_enabled(backward), SeededRng(self.config.seed + step, device), \
-                        Autocast(header.get("autocast")):
+                with preserved_buffers(module), torch.set_grad_enabled(backward), \
+                        SeededRng(self.config.seed + step, device), Autocast(header.get("autocast")):
                     if backward:
                         args, kwargs = map_tensors((args, kwargs), lambda t: grad_leaf(t, leaves))
                     sync_device(device)
@@ -482,9 +482,6 @@ class ReplayDetector:
                     entry["time"] = time.perf_counter() - begin
             finally:
                 self._replaying = False
-                with torch.no_grad():
-                    for buf, value in saved:
-                        buf.copy_(value)
             entry["out"] = structure_signature(tensors_in(out))
         except Exception as exc:  # noqa: BLE001 - a failing replay is evidence, decided by the vote
             logger.warning("SCOUT replay of %s (%s) failed on rank %d: %s", path, check, self._rank, exc)
@@ -651,12 +648,8 @@ class ReplayDetector:
         param_paths = set()
 
         def outcome(check: str, path: str, signatures: Dict[int, str], timings: Dict[int, float]) -> CheckOutcome:
-            verdict, faulty = vote(signatures)
-            if verdict != CLEAN:
-                logger.warning("SCOUT %s check on %s at step %d: %s, faulty=%s, signatures=%s",
-                               check, path, step, verdict, list(faulty), signatures)
-            return CheckOutcome(check=check, module_path=path, group_ranks=ranks, signatures=signatures,
-                                verdict=verdict, faulty=faulty, hosts=dict(hosts), timings_s=timings)
+            return voted_outcome(check, path, ranks, signatures, f"replay check at step {step}", hosts=hosts,
+                                 timings=timings)
 
         def signatures_of(entries: Dict[int, dict], key: str, what: str) -> Dict[int, str]:
             if all(e.get("error") for e in entries.values()):

@@ -42,18 +42,19 @@ from torch import nn
 
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.recovery import SweepOutcome
-from lm_resiliency.scout.peers import CLEAN, vote
+from lm_resiliency.scout.peers import CLEAN, voted_outcome
 from lm_resiliency.scout.invocation import (
     Autocast,
     SeededRng,
     autocast_regions,
     clone_inputs,
     module_device,
+    preserved_buffers,
     tensors_in,
     to_device,
 )
 from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector, unwrap_model
-from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
+from lm_resiliency.scout.reports import ReplayResult
 from lm_resiliency.scout.signature import structure_signature
 from lm_resiliency.tensor_bytes import tensor_bytes
 
@@ -246,15 +247,15 @@ class FullCatalogSweep:
         params = {path: structure_signature(list(module.parameters())) for _, path, module in self._modules}
         handles = [module.register_forward_hook(signer(path)) for _, path, module in self._modules]
         device = module_device(self._root)
-        buffers = [(b, b.detach().clone()) for b in self._root.buffers()]
         modes = [(m, m.training) for m in self._root.modules()]
         self._replaying = True
         try:
-            args, kwargs = to_device(tuple(invocation["args"]), device), to_device(invocation["kwargs"], device)
-            self._root.train(bool(header.get("training", True)))
-            with torch.no_grad(), SeededRng(self.config.seed + int(header["step"]), device), \
-                    Autocast(header.get("autocast")):
-                self._root(*args, **kwargs)
+            with preserved_buffers(self._root):
+                args, kwargs = to_device(tuple(invocation["args"]), device), to_device(invocation["kwargs"], device)
+                self._root.train(bool(header.get("training", True)))
+                with torch.no_grad(), SeededRng(self.config.seed + int(header["step"]), device), \
+                        Autocast(header.get("autocast")):
+                    self._root(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the peers learn it and the sweep is incomplete
             logger.warning("SCOUT full replay sweep: the replay raised on rank %d: %s", self.rank, exc)
             doc["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -262,9 +263,6 @@ class FullCatalogSweep:
             self._replaying = False
             for handle in handles:
                 handle.remove()
-            with torch.no_grad():
-                for buf, value in buffers:
-                    buf.copy_(value)
             for module, training in modes:
                 module.training = training
         doc["modules"] = [[check, path, params[path], ",".join(outputs[path]) or None]
@@ -286,9 +284,11 @@ class FullCatalogSweep:
         checks = []
         for index, (check, path) in enumerate(reference):
             entries = {r: docs[r]["modules"][index] for r in self.group_ranks}
-            checks.append(_outcome("parameters", path, self.group_ranks, {r: str(e[2]) for r, e in entries.items()}))
+            checks.append(voted_outcome("parameters", path, self.group_ranks,
+                                        {r: str(e[2]) for r, e in entries.items()}, "full replay sweep"))
             if any(e[3] is not None for e in entries.values()):
-                checks.append(_outcome(check, path, self.group_ranks, {r: str(e[3]) for r, e in entries.items()}))
+                checks.append(voted_outcome(check, path, self.group_ranks, {r: str(e[3]) for r, e in entries.items()},
+                                            "full replay sweep"))
         result = ReplayResult(step=step, checks=tuple(checks))
         what = (f"{len(reference)} catalog modules replayed on ranks {list(self.group_ranks)} from rank {source}'s "
                 f"recording of step {recorded}")
@@ -303,15 +303,6 @@ class FullCatalogSweep:
             return SweepReport(SweepOutcome.INCOMPLETE, f"{what}: no strict majority on {suspect} (inconclusive)",
                                result)
         return report
-
-
-def _outcome(check: str, path: str, ranks: Tuple[int, ...], signatures: Dict[int, str]) -> CheckOutcome:
-    verdict, faulty = vote(signatures)
-    if verdict != CLEAN:
-        logger.warning("SCOUT full replay sweep, %s of %s: %s, faulty=%s, signatures=%s",
-                       check, path, verdict, list(faulty), signatures)
-    return CheckOutcome(check=check, module_path=path, group_ranks=ranks, signatures=signatures,
-                        verdict=verdict, faulty=faulty)
 
 
 def _bounded_store(store: Any, timeout_s: float) -> Any:

@@ -419,6 +419,33 @@ def test_single_process_replay_is_clean_and_side_effect_free():
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
+class _NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+def test_replay_restores_the_buffers_it_changed():
+    # BatchNorm in training mode updates its running statistics in every forward, the replay's too.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 6), nn.ModuleList([_NormBlock(), _NormBlock()]), nn.Linear(6, 20))
+    model.forward = lambda tokens: model[2](model[1][1](model[1][0](model[0](tokens))))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    detector = ReplayDetector(model, optimizer, ReplayHarnessConfig(check_interval=1), group=None, group_ranks=[0])
+    for step in (1, 2):
+        detector.arm(step)
+        model(torch.randint(0, 20, (8,))).pow(2).mean().backward()
+        before = structure_signature(list(model.buffers()))
+        result = detector.run(step)
+        assert structure_signature(list(model.buffers())) == before
+        assert result.healthy and {"hidden", "backward"} <= {c.check for c in result.checks}
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_replay_is_repeatable_with_dropout_and_sees_forward_hooks():
     """Two detectors replaying the same step agree bitwise; a hook on the module changes the output."""
     def one(corrupt):
