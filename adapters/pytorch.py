@@ -5,13 +5,19 @@ Capture reads `model.state_dict()` (DDP: the wrapped module; FSDP2/HSDP: DTensor
 local shards GEMINI stores) and `optimizer.state_dict()`. Restore copies the recovered
 tensors in place into the live model and rebuilds optimizer DTensors on the live
 parameters' mesh, so a fresh process never needs the original sharding call again.
+
+`torch.compile` wrappers (`OptimizedModule`, in either order with DDP) are looked through:
+state is keyed as in the user's own module (no `_orig_mod.`), and the forward hook runs outside
+any compiled region. With `scaler=` (a `torch.amp.GradScaler`) the scaler's state is captured
+after its `update()`, and a `scaler.step()` that skipped `optimizer.step()` still counts as a step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +29,7 @@ from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
 logger = logging.getLogger(__name__)
 
 SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "device",
-                               "process_group"})
+                               "process_group", "scaler"})
 
 
 def _dtensor_type():
@@ -39,11 +45,30 @@ def _is_dtensor(value: Any) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module whose state_dict keys are the user's (DDP adds `module.`)."""
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    # torch.compile loads torch._dynamo; a process that never imported it holds no OptimizedModule.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def _wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
+    """`model`, then each module it wraps through DDP (`module`) and torch.compile (`_orig_mod`)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    while True:
+        yield model
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif _is_compiled_wrapper(model):
+            model = model._orig_mod
+        else:
+            return
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose state_dict keys are the user's: DDP adds `module.`, torch.compile `_orig_mod.`."""
+    *_, inner = _wrapper_chain(model)
+    return inner
 
 
 def check_optimizer_owns_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -111,7 +136,7 @@ class PyTorchAdapter(FrameworkAdapter):
                  scheduler: Any = None, parallelism_info: Any = None,
                  group: Optional[dist.ProcessGroup] = None, nccl_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, process_group: Optional[dist.ProcessGroup] = None,
-                 skip_replication_if_hsdp: bool = True) -> None:
+                 scaler: Optional[torch.amp.GradScaler] = None, skip_replication_if_hsdp: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PyTorch adapter: expected a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -121,10 +146,16 @@ class PyTorchAdapter(FrameworkAdapter):
             raise ValueError("pass both group= and nccl_group= (SCOUT detection groups) or neither")
         if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
             raise TypeError("scheduler= must have state_dict()/load_state_dict() (an LR scheduler)")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler= must be a torch.amp.GradScaler (or a subclass such as ShardedGradScaler), "
+                            f"got {type(scaler).__name__}")
         self.model = model
         self.module = unwrap_model(model)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.scaler = scaler
+        self._optimizer_steps = 0  # optimizer.step() calls seen; tells a skipped scaler.step() apart
+        self._scaler_step: Optional[Callable[..., Any]] = None
         self.parallelism_info = parallelism_info
         self.group, self.nccl_group = group, nccl_group
         self.device = device
@@ -173,7 +204,8 @@ class PyTorchAdapter(FrameworkAdapter):
             from torch.nn.parallel import DistributedDataParallel
 
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            kind = "ddp" if isinstance(self.model, DistributedDataParallel) else (
+            ddp = any(isinstance(m, DistributedDataParallel) for m in _wrapper_chain(self.model))
+            kind = "ddp" if ddp else (
                 "replicated" if distributed else "single")
             replicate, shard = (dist.get_world_size() if distributed else 1), 1
             descriptor = {"kind": kind}
@@ -193,7 +225,11 @@ class PyTorchAdapter(FrameworkAdapter):
         return {"model": model, "optimizer": self.optimizer.state_dict()}
 
     def deferred_state(self) -> Dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}
+        # The scaler settles in scaler.update(), after scaler.step(): read before the next forward.
+        state = {"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_framework_state(self, state: Dict[str, Any]) -> None:
         load_model_in_place(self.module, state["model"])
@@ -204,17 +240,56 @@ class PyTorchAdapter(FrameworkAdapter):
             if "scheduler" not in state:
                 raise ValueError("the recovered checkpoint has no scheduler state, but scheduler= was given")
             self.scheduler.load_state_dict(state["scheduler"])
+        self._load_scaler(state.get("scaler"))
+
+    def _load_scaler(self, saved: Optional[Dict[str, Any]]) -> None:
+        # An AMP run resumed without its scaler (or the reverse) would restart the loss scale.
+        if (saved is not None) != (self.scaler is not None):
+            raise ValueError("the recovered checkpoint has GradScaler state but no scaler= was given" if saved
+                             is not None else "scaler= was given, but the recovered checkpoint has no GradScaler state")
+        if self.scaler is None:
+            return
+        if bool(saved) != self.scaler.is_enabled():
+            raise ValueError(f"the recovered GradScaler state is from an {'enabled' if saved else 'disabled'} scaler, "
+                             f"but scaler= is {'enabled' if self.scaler.is_enabled() else 'disabled'}; resume with "
+                             "the same AMP setting")
+        self.scaler.load_state_dict(saved)
 
     # ------------------------------------------------------------------ hooks
 
     def install(self, callbacks: StepCallbacks) -> None:
+        def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+            self._optimizer_steps += 1
+            callbacks.after_optimizer_step()
+
+        # torch.compile must never trace the session's work: under `module.compile()` (or a compiled
+        # wrapper around the module given here) this hook would run inside the compiled region.
+        before_forward = torch.compiler.disable(lambda module, args: callbacks.before_forward())
         # prepend: the capture reads state_dict(), which FSDP2 answers by resharding; it must run
         # before FSDP's own pre-forward hook unshards the root's parameters for this forward.
         self._handles = [
             self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: callbacks.before_optimizer_step()),
-            self.optimizer.register_step_post_hook(lambda opt, args, kwargs: callbacks.after_optimizer_step()),
-            self.model.register_forward_pre_hook(lambda module, args: callbacks.before_forward(), prepend=True),
+            self.optimizer.register_step_post_hook(after_step),
+            self.model.register_forward_pre_hook(before_forward, prepend=True),
         ]
+        if self.scaler is not None:
+            self._wrap_scaler_step(callbacks.skipped_optimizer_step)
+
+    def _wrap_scaler_step(self, skipped: Optional[Callable[[], None]]) -> None:
+        """GradScaler.step() skips optimizer.step() on inf/NaN gradients, so no optimizer hook fires;
+        the wrapper reports that boundary, keeping step_count equal to the loop's own counter."""
+        if skipped is None:
+            raise TypeError("scaler= needs a session that handles skipped optimizer steps")
+        original = self.scaler.step
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = self._optimizer_steps
+            result = original(optimizer, *args, **kwargs)
+            if optimizer is self.optimizer and self._optimizer_steps == before:
+                skipped()
+            return result
+
+        self.scaler.step = self._scaler_step = step
 
     def replay_targets(self) -> tuple:
         return self.model, self.optimizer
@@ -223,6 +298,9 @@ class PyTorchAdapter(FrameworkAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._scaler_step is not None and self.scaler.__dict__.get("step") is self._scaler_step:
+            del self.scaler.step  # the class's own step() again
+        self._scaler_step = None
 
     def describe(self) -> str:
         return f"pytorch/{self.topology().kind}"

@@ -18,6 +18,8 @@ class StepCallbacks:
     before_optimizer_step: Callable[[], None]
     after_optimizer_step: Callable[[], None]
     before_forward: Callable[[], None]
+    # A step boundary whose optimizer.step() was skipped (AMP gradient overflow): it still counts.
+    skipped_optimizer_step: Optional[Callable[[], None]] = None
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class ResiliencySession:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
                                  "accepted replay check at each checkpoint boundary)")
             adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
-                                          self._before_forward))
+                                          self._before_forward, self._skipped_optimizer_step))
         except BaseException:
             self.close()
             raise
@@ -248,6 +248,16 @@ class ResiliencySession:
                     logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
                     return
             self._pending = {"step": self.step_count, "rng": capture_rng()}
+
+    def _skipped_optimizer_step(self) -> None:
+        """A step boundary whose optimizer.step() was skipped (a GradScaler found inf/NaN gradients).
+        It counts, so `step_count` keeps matching the loop's counter; the parameters did not change,
+        so nothing is captured (the next capture is at the next multiple of `interval`). Every rank
+        skips alike because the gradients were all-reduced before the scaler checked them."""
+        with self._lock:
+            self.step_count += 1
+            if self.scout is not None:
+                self.scout.after_optimizer_step(self.step_count)
 
     def _before_forward(self) -> None:
         if self._pending is not None:

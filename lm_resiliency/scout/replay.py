@@ -28,6 +28,7 @@ import copy
 import json
 import logging
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -110,6 +111,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return model
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """ReplayUnsupportedError when torch.compile runs any part of `model` (`torch.compile(module)`
+    or `module.compile()`): the capture hooks a check adds would not fire inside compiled code."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by every torch.compile
+    compiled = [path or "(root)" for path, m in model.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None
+                or (eval_frame is not None and isinstance(m, eval_frame.OptimizedModule))]
+    if compiled:
+        raise ReplayUnsupportedError(
+            f"torch.compile runs {compiled[:4]}: the capture hooks SCOUT adds per check would not fire inside "
+            "compiled code, so compiled models are not replayed (GEMINI checkpoints are not certified; the "
+            "out-of-band hang and stall monitor stays on)")
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -197,6 +212,7 @@ class ReplayDetector:
             backend = str(dist.get_backend(group))
             if "gloo" not in backend:
                 raise ValueError(f"the replay group must be a gloo group (CPU collectives), got backend {backend!r}")
+        _refuse_compiled(model)
         self.model = model
         self.optimizer = optimizer
         self.config = config
