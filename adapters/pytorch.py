@@ -262,8 +262,8 @@ class PyTorchAdapter(FrameworkAdapter):
             self._optimizer_steps += 1
             callbacks.after_optimizer_step()
 
-        # torch.compile must never trace the session's work: under `module.compile()` (or a compiled
-        # wrapper around the module given here) this hook would run inside the compiled region.
+        # torch.compile must never trace the session's work: under `module.compile()` this hook runs
+        # inside the compiled region. (torch._dynamo is loaded already: torch.optim imports it.)
         before_forward = torch.compiler.disable(lambda module, args: callbacks.before_forward())
         # prepend: the capture reads state_dict(), which FSDP2 answers by resharding; it must run
         # before FSDP's own pre-forward hook unshards the root's parameters for this forward.
