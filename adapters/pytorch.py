@@ -243,16 +243,19 @@ class PyTorchAdapter(FrameworkAdapter):
         self._load_scaler(state.get("scaler"))
 
     def _load_scaler(self, saved: Optional[Dict[str, Any]]) -> None:
-        # An AMP run resumed without its scaler (or the reverse) would restart the loss scale.
-        if (saved is not None) != (self.scaler is not None):
-            raise ValueError("the recovered checkpoint has GradScaler state but no scaler= was given" if saved
-                             is not None else "scaler= was given, but the recovered checkpoint has no GradScaler state")
+        # An AMP run resumed without its scaler (or the reverse) would silently restart the loss scale.
+        if saved is not None and self.scaler is None:
+            raise ValueError("the recovered checkpoint has GradScaler state but no scaler= was given; pass the "
+                             "loop's GradScaler as enable_resiliency(..., scaler=scaler)")
+        if saved is None and self.scaler is not None:
+            raise ValueError("scaler= was given, but the recovered checkpoint has no GradScaler state (it was "
+                             "captured without scaler=)")
         if self.scaler is None:
             return
         if bool(saved) != self.scaler.is_enabled():
-            raise ValueError(f"the recovered GradScaler state is from an {'enabled' if saved else 'disabled'} scaler, "
-                             f"but scaler= is {'enabled' if self.scaler.is_enabled() else 'disabled'}; resume with "
-                             "the same AMP setting")
+            was, now = ("enabled", "disabled") if saved else ("disabled", "enabled")
+            raise ValueError(f"the recovered GradScaler state is from an {was} scaler, but scaler= is {now}; "
+                             "resume with the same AMP setting")
         self.scaler.load_state_dict(saved)
 
     # ------------------------------------------------------------------ hooks
