@@ -132,7 +132,7 @@ def make_corpus() -> tuple[torch.Tensor, int]:
 
 def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     master_process = rank == 0
     os.makedirs(args.out_dir, exist_ok=True)
     torch.manual_seed(1337 + rank)
