@@ -191,14 +191,36 @@ def _train_and_close(rank, world, tmp, config_kw):
     return sorted(os.listdir(os.path.join(tmp, "shm")))
 
 
-def test_crashed_run_is_reaped_by_next_run_and_clean_run_leaves_nothing(tmp_path):
+def test_another_run_leaves_a_crashed_runs_slots_for_its_relaunch(tmp_path):
     tmp = str(tmp_path)
     outcomes = run_ranks(_train_then_sigkill, 2, tmp, 4, {"run_id": "crashed", "replication_jump": 1},
                          timeout=60, check=False)
     assert [o.killed_by for o in outcomes] == [signal.SIGKILL] * 2
     (crashed_ns,) = os.listdir(os.path.join(tmp, "shm"))
-    assert len(os.listdir(os.path.join(tmp, "shm", crashed_ns))) == 2  # one directory per rank
+    crashed_dirs = sorted(os.listdir(os.path.join(tmp, "shm", crashed_ns)))
+    assert len(crashed_dirs) == 2  # one directory per rank
 
+    # An unrelated job on the node (another run id, default 24 h bound) leaves them alone...
     seen = run_ranks(_train_and_close, 2, tmp, {"run_id": "next", "replication_jump": 1}, timeout=60)
+    assert all(crashed_ns in names for names in seen)
+    assert sorted(os.listdir(os.path.join(tmp, "shm", crashed_ns))) == crashed_dirs
+    # ...so the crashed job's relaunch still recovers from shared memory, and its clean end
+    # leaves nothing behind.
+    recovered = run_ranks(_recover, 2, tmp, {"run_id": "crashed", "replication_jump": 1}, timeout=60)
+    for rank, (step, sources, state) in enumerate(recovered):
+        exp_step, exp_state = torch.load(_expected_path(tmp, rank), weights_only=False)
+        assert step == exp_step == 4 and sources == {f"own:{rank}": "shared-memory"}
+        assert_same(state, exp_state)
+    assert _shm_entries(tmp) == []
+
+
+def test_dead_runs_slots_older_than_the_bound_are_reaped(tmp_path):
+    tmp = str(tmp_path)
+    outcomes = run_ranks(_train_then_sigkill, 2, tmp, 4, {"run_id": "crashed", "replication_jump": 1},
+                         timeout=60, check=False)
+    assert [o.killed_by for o in outcomes] == [signal.SIGKILL] * 2
+    (crashed_ns,) = os.listdir(os.path.join(tmp, "shm"))
+    seen = run_ranks(_train_and_close, 2, tmp, {"run_id": "next", "replication_jump": 1,
+                                                "reap_other_runs_after_s": 0}, timeout=60)
     assert all(crashed_ns not in names for names in seen)  # reaped when the new run started
     assert _shm_entries(tmp) == []
