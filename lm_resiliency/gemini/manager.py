@@ -113,6 +113,9 @@ class InMemoryCheckpointManager:
         self.topology = topology_fingerprint(descriptor, self._group)
         self.store = NodeLocalStore(self.config.disk_folder, self.run_id, self.topology, self.rank,
                                     verify_integrity=self.config.verify_integrity, timeout_s=timeout)
+        if self.rank == 0:
+            logger.info("GEMINI: run %r keeps node-local state under %s (a relaunch must use the same folder)",
+                        self.run_id, self.config.disk_folder)
         allocate = allocator or heap_allocator(self.config.pin_memory)
         if allocator is None and self.config.host_memory == "shared":
             self._arena = self._open_arena()
@@ -577,8 +580,8 @@ class InMemoryCheckpointManager:
         None they are kept only if this process is ending abnormally (a signal or an uncaught
         exception reached the manager) or the environment variable
         LM_RESILIENCY_KEEP_SHARED_MEMORY=1 is set (how a supervisor that restarts workers
-        keeps them across a planned stop). A SIGKILLed worker leaves them regardless; the next
-        run with another run id reaps them.
+        keeps them across a planned stop). A SIGKILLed worker leaves them regardless; a run with
+        another run id reaps them once older than `reap_other_runs_after_s`.
         """
         if self._closed:
             return

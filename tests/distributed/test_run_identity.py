@@ -61,15 +61,6 @@ def test_torchelastic_placeholder_none_is_not_an_identity(tmp_path):
     assert first[1][2] == []  # rank 0 only
 
 
-def test_a_stable_id_is_used_and_the_same_run_resumes(tmp_path):
-    env = {"LM_RESILIENCY_RUN_ID": "job-42", "TORCHELASTIC_RUN_ID": "NONE"}
-    first = run_ranks(_job, 2, str(tmp_path), env=env, timeout=90)
-    second = run_ranks(_job, 2, str(tmp_path), env=env, timeout=90)
-    assert {run_id for run_id, _, _ in first + second} == {"job-42"}
-    assert [found for _, found, _ in second] == [4, 4]
-    assert not any(level == "WARNING" for level, _ in first[0][2])
-
-
 def _identity_only(rank, world, tmp):
     records = _Records()
     logging.getLogger("lm_resiliency.gemini.identity").addHandler(records)
@@ -84,10 +75,12 @@ def test_standalone_torchrun_id_is_used_but_warned_about(tmp_path):
     results = run_ranks(_identity_only, 2, str(tmp_path), env={"TORCHELASTIC_RUN_ID": launch_id}, timeout=60)
     assert [(run_id, stable) for run_id, stable, _ in results] == [(launch_id, False)] * 2
     assert any("draws anew for every launch" in m for _, m in results[0][2])
-    # A real --rdzv-id is a stable identity: no warning.
-    results = run_ranks(_identity_only, 2, str(tmp_path), env={"TORCHELASTIC_RUN_ID": "slurm-1234"}, timeout=60)
-    assert [(run_id, stable) for run_id, stable, _ in results] == [("slurm-1234", True)] * 2
-    assert not any(level == "WARNING" for level, _ in results[0][2])
+    # A real --rdzv-id is a stable identity, and LM_RESILIENCY_RUN_ID comes first: no warning.
+    for env, expected in (({"TORCHELASTIC_RUN_ID": "slurm-1234"}, "slurm-1234"),
+                          ({"LM_RESILIENCY_RUN_ID": "job-42", "TORCHELASTIC_RUN_ID": launch_id}, "job-42")):
+        results = run_ranks(_identity_only, 2, str(tmp_path), env=env, timeout=60)
+        assert [(run_id, stable) for run_id, stable, _ in results] == [(expected, True)] * 2
+        assert not any(level == "WARNING" for level, _ in results[0][2])
 
 
 # ------------------------------------------------------------------ the resume line, default logging
