@@ -940,7 +940,6 @@ class RankDirVerdict:
     path: str
     kind: str
     reason: str
-    age_s: float = 0.0
 
 
 def judge_rank_dirs(ns_fd: int, ns_path: str, uid: int, scope: str, min_age_s: float) -> List[RankDirVerdict]:
@@ -972,11 +971,11 @@ def judge_rank_dirs(ns_fd: int, ns_path: str, uid: int, scope: str, min_age_s: f
         if owner is None or owner["scope"] != scope:
             verdicts.append(RankDirVerdict(entry.name, path, "unattributable", f"no valid {OWNER_FILE}"))
         elif process_alive(owner["pid"], owner["start_time"]):
-            verdicts.append(RankDirVerdict(entry.name, path, "live", f"live process {owner['pid']}", age))
+            verdicts.append(RankDirVerdict(entry.name, path, "live", f"live process {owner['pid']}"))
         else:
             kind = "stale" if age >= min_age_s else "young"
             verdicts.append(RankDirVerdict(entry.name, path, kind, f"dead process {owner['pid']}, last written "
-                                           f"{age:.0f} s ago", age))
+                                           f"{age:.0f} s ago"))
     return verdicts
 
 
