@@ -10,6 +10,7 @@ import textwrap
 import uuid
 
 import pytest
+import torch
 
 from lm_resiliency import InMemoryCkptConfig
 from lm_resiliency.experimental import InMemoryCheckpointManager
@@ -165,3 +166,21 @@ def test_torchrun_standalone_warns_then_resumes_with_a_run_id(tmp_path):
     assert "rank 0 start step 4" in resumed.stdout and "rank 1 start step 4" in resumed.stdout
     assert "lm-resiliency: resumed run 'torchrun-job' at step 4 from " in resumed.stderr, resumed.stderr[-3000:]
     assert resumed.stderr.count("lm-resiliency: resumed run") == 1  # rank 0 only
+
+
+def test_relative_disk_folder_is_resolved_once_at_attach(tmp_path, monkeypatch, caplog):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "launch")
+    with caplog.at_level(logging.INFO, logger="lm_resiliency.gemini.manager"):
+        manager = InMemoryCheckpointManager(InMemoryCkptConfig(run_id="relative", disk_folder="checkpoints",
+                                                               host_memory="heap", disk_flush_interval=1))
+    folder = str(tmp_path / "launch" / "checkpoints")
+    assert manager.config.disk_folder == folder and f"keeps node-local state under {folder}" in caplog.text
+    monkeypatch.chdir(tmp_path / "elsewhere")  # a chdir after attach does not move the node-local tier
+    manager.save({"w": torch.ones(4)}, 1)
+    manager.maybe_wait()
+    manager.flush_now()
+    manager.close()
+    assert os.listdir(tmp_path / "elsewhere") == [] and manager.store.directory.startswith(folder)
+    assert any(name.endswith(".gemini") for name in os.listdir(manager.store.directory))
