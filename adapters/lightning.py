@@ -104,6 +104,9 @@ class LightningAdapter(FrameworkAdapter):
     `lm_resiliency.callbacks.lightning.ResiliencyCallback` at `on_fit_start`."""
 
     framework = "lightning"
+    # Lightning calls train_dataloader() (and val_dataloader()) after on_fit_start, where the
+    # session recovers; `before_batch` restores the RNG streams captured before the next batch.
+    defers_rng_restore = True
 
     def __init__(self, trainer: Any, *, skip_replication_if_hsdp: bool = True) -> None:
         self.trainer = trainer

@@ -11,9 +11,11 @@ variables and the policy file are `lm_resiliency.config.ResiliencyPolicy`'s.
 Lifecycle translation (the adapter holds the state; the session does capture/replay/recovery):
 
     on_fit_start              session built (collective) and recover(); recovered state handed to
-                              Lightning's checkpoint connector, which restores it with its own code
+                              Lightning's checkpoint connector, which restores it with its own code;
+                              the RNG streams are NOT restored yet (Lightning builds dataloaders next)
     on_train_start            restored global_step verified; plain dataloaders repositioned
-    on_train_batch_start      first micro-batch of an optimizer step: before_forward
+    on_train_batch_start      first micro-batch of an optimizer step: before_forward (after a
+                              resume, the RNG streams as they were right before this batch first)
     on_before_optimizer_step  before_optimizer_step (SCOUT replay, GEMINI copy completed)
     on_train_batch_end        global_step advanced: after_optimizer_step (once per real step;
                               accumulation micro-batches do not count); SCOUT findings -> loggers
@@ -158,11 +160,6 @@ class ResiliencyCallback(*_callback_bases()):
         self._reset_run_state()
         self.recovered_step = None
         config = self._config
-        if config.run_id is None and not (os.environ.get("LM_RESILIENCY_RUN_ID")
-                                          or os.environ.get("TORCHELASTIC_RUN_ID")):
-            logger.warning("lm-resiliency: no run id is set, so a relaunched job cannot find this run's GEMINI "
-                           "state; pass ResiliencyCallback(run_id=...) or set LM_RESILIENCY_RUN_ID (torchrun sets "
-                           "one for its restarts)")
         adapter = LightningAdapter(trainer, skip_replication_if_hsdp=config.skip_replication_if_hsdp)
         session = ResiliencySession(adapter, checkpoint=config, replay=self._replay,
                                     fault_callback=self._on_replay_fault, oob_fault_callback=self._on_oob_fault,

@@ -35,6 +35,10 @@ class FrameworkAdapter:
     """Base class; see `lm_resiliency.adapters.pytorch` for the reference implementation."""
 
     framework: str = ""
+    # True when the framework builds data (datasets, dataloaders) between recovery and the first
+    # resumed batch: the adapter restores the RNG streams itself, right before that batch, so what
+    # is built in between sees the RNG an uninterrupted run's would have seen at that point.
+    defers_rng_restore: bool = False
 
     def topology(self) -> Topology:
         raise NotImplementedError

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 _MIB = 1024 * 1024
+DEFAULT_REAP_OTHER_RUNS_AFTER_S = 24 * 3600.0
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,12 @@ class InMemoryCkptConfig:
     `host_memory` places the host slots: "shared" (default) in node-owned shared memory under
     `shared_memory_dir` (default /dev/shm/lm-resiliency-<uid>), so they survive a worker crash;
     "heap" in the worker's own memory (they die with it). See docs/gemini.md.
+    `run_id` is the identity a relaunch must share to recover (docs/gemini.md, "Run identity").
+    `disk_folder` may be relative; it is resolved once, against the working directory, when
+    GEMINI attaches: relaunch from the same directory or give an absolute path.
+    `reap_other_runs_after_s`: a starting job removes shared-memory slots of OTHER run ids whose
+    processes are dead only when they were last written this many seconds ago (default 24 h;
+    `math.inf`: never; `python -m lm_resiliency.cleanup` removes them on demand).
     """
 
     enable: bool = True
@@ -49,6 +56,7 @@ class InMemoryCkptConfig:
     timeout_s: float = 300.0
     host_memory: str = "shared"
     shared_memory_dir: Optional[str] = None
+    reap_other_runs_after_s: float = DEFAULT_REAP_OTHER_RUNS_AFTER_S
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -68,8 +76,10 @@ class InMemoryCkptConfig:
                  f"must be >= 0 (0 disables periodic flush), got {self.disk_flush_interval!r}")
         _require(isinstance(self.disk_folder, str) and self.disk_folder != "", name, "disk_folder",
                  f"must be a non-empty path, got {self.disk_folder!r}")
-        _require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
-                 name, "run_id", f"must be None or a non-empty string, got {self.run_id!r}")
+        _require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""
+                                         and self.run_id.strip().lower() != "none"),
+                 name, "run_id", f"must be None or a non-empty string other than 'none' (a placeholder "
+                 f"that names no run), got {self.run_id!r}")
         _require(isinstance(self.host_memory, str) and self.host_memory in ("shared", "heap"),
                  name, "host_memory", f"must be 'shared' or 'heap', got {self.host_memory!r}")
         _require(self.shared_memory_dir is None
@@ -80,6 +90,11 @@ class InMemoryCkptConfig:
         _require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                  and math.isfinite(self.timeout_s) and self.timeout_s > 0, name, "timeout_s",
                  f"must be a positive, finite number of seconds, got {self.timeout_s!r}")
+        _require(isinstance(self.reap_other_runs_after_s, (int, float))
+                 and not isinstance(self.reap_other_runs_after_s, bool)
+                 and not math.isnan(self.reap_other_runs_after_s) and self.reap_other_runs_after_s >= 0,
+                 name, "reap_other_runs_after_s",
+                 f"must be a number of seconds >= 0 (math.inf: never), got {self.reap_other_runs_after_s!r}")
 
 
 def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptConfig], replay: Any,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
@@ -153,7 +154,9 @@ class ResiliencySession:
 
     def recover(self) -> Optional[int]:
         """Collective: load the newest state every rank can load, else call `load_fallback`.
-        Sets and returns `step_count` (None when starting fresh)."""
+        Sets and returns `step_count` (None when starting fresh). Rank 0 logs one WARNING-level
+        line saying which (so it shows with Python's default logging): "resumed run X at step N
+        from memory / peer memory / disk / peer disk / fallback", or "started fresh: <why>"."""
         step = None
         verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
             self.ledger is not None and self.ledger.requires_verified_recovery)
@@ -164,27 +167,69 @@ class ResiliencySession:
                 step = self._find_verified() if verified_only else self.manager.find_latest()
                 state = self.manager.load() if step is not None else None
         if verified_only and step is None:
-            return self._recover_verified_durable()
+            step = self._recover_verified_durable()
+            self._announce(f"resumed {self._run_name()}at step {step} from the certified durable checkpoint "
+                           "(no RECOVERY_VERIFIED GEMINI state)")
+            return step
         if step is not None:
             self.adapter.load_framework_state(state["framework"])
             self.adapter.load_deferred_state(state["deferred"])
-            restore_rng(state["rng"])
+            if not self.adapter.defers_rng_restore:
+                restore_rng(state["rng"])
             if self._load_extra_state_fn is not None:
                 self._load_extra_state_fn(state["extra"])
             self.step_count = step
             self.recovered_from = "gemini"
             if self.ledger is not None:
                 self.ledger.resume_from(step)
-            logger.info("lm-resiliency: resumed from GEMINI step %d (%s)", step, self.adapter.describe())
+            self._announce(f"resumed {self._run_name()}at step {step} from {self._sources_text()} "
+                           f"({self.adapter.describe()})")
             return step
+        why = self._fresh_reason()
         if self._load_fallback is not None:
             with self.checkpoint_io("read", name="load_fallback"):
                 result = self._load_fallback()
+            self.recovered_from = "fallback"
             if isinstance(result, int) and not isinstance(result, bool):
                 self.step_count = result
-            self.recovered_from = "fallback"
+                self._announce(f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}")
+            else:
+                self._announce(f"no GEMINI state to resume ({why}); load_fallback ran and returned no step")
             return self.step_count
+        self._announce(f"started fresh: {why}")
         return None
+
+    def _run_name(self) -> str:
+        return f"run {self.manager.run_id!r} " if self.manager is not None else ""
+
+    def _sources_text(self) -> str:
+        """'memory', or e.g. 'memory (ranks 0, 2), peer memory (rank 1)' when ranks differ."""
+        by_label: Dict[str, list] = {}
+        for owner, (holder, medium) in sorted(self.manager.job_recovery_sources.items()):
+            where = "disk" if medium == "disk" else "memory"
+            by_label.setdefault(where if holder == owner else f"peer {where}", []).append(owner)
+        if len(by_label) == 1:
+            return next(iter(by_label))
+        return ", ".join(f"{label} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+                         for label, ranks in by_label.items())
+
+    def _fresh_reason(self) -> str:
+        manager = self.manager
+        if manager is None:
+            return "GEMINI checkpointing is disabled"
+        if manager.steps_seen:
+            return (f"GEMINI holds steps {manager.steps_seen} of run {manager.run_id!r}, but none that every rank "
+                    "can load")
+        reason = (f"no GEMINI state of run {manager.run_id!r} (from {manager.identity.source}) in memory, "
+                  f"shared memory or {manager.config.disk_folder}")
+        if not manager.identity.stable:
+            reason += f"; this run id is new for every launch, so no relaunch can resume: {FIX}"
+        return reason
+
+    @staticmethod
+    def _announce(message: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("lm-resiliency: %s", message)
 
     def _find_verified(self) -> Optional[int]:
         verified = self.ledger.verified_steps() if self.ledger is not None else []
@@ -357,7 +402,7 @@ class ResiliencySession:
         if self.manager is None:
             return []
         source_dir = self.manager.store.directory
-        relative = os.path.relpath(source_dir, os.path.abspath(self.config.disk_folder))
+        relative = os.path.relpath(source_dir, self.manager.config.disk_folder)
         target_dir = os.path.join(destination, relative)
         os.makedirs(target_dir, mode=0o700, exist_ok=True)
         copied = []

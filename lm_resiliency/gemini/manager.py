@@ -14,6 +14,7 @@ process of the same rank, run and topology on that node adopts them at construct
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import sys
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from lm_resiliency import wire
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
-from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
+from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
 from lm_resiliency.gemini.replication import Pairing, PeerReplicator, resolve_jump
 from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
 from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
@@ -79,6 +80,10 @@ class InMemoryCheckpointManager:
         self._verified: set = set()
         self._keep_shared = False  # set when this process ends abnormally (signal, uncaught exception)
         self.recovery_sources: Dict[str, str] = {}
+        # After find_latest(), on every rank: owner rank -> (rank holding its state, "memory" /
+        # "shared-memory" / "disk"), and every step any rank reported (why nothing was chosen).
+        self.job_recovery_sources: Dict[int, Tuple[int, str]] = {}
+        self.steps_seen: List[int] = []
         try:
             self._setup(topology, replicate, allocator, install_signal_handlers)
         except BaseException:
@@ -99,12 +104,18 @@ class InMemoryCheckpointManager:
         if replicate and self.world_size > 1:
             jump = resolve_jump(self.config.replication_jump, self.world_size)
             self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
-        self.run_id = resolve_run_id(self.config.run_id, self._group)
+        # Resolved once: a later chdir must not move the node-local tier (or the shm namespace).
+        self.config = dataclasses.replace(self.config, disk_folder=os.path.abspath(self.config.disk_folder))
+        self.identity: RunIdentity = resolve_identity(self.config.run_id, self._group)
+        self.run_id = self.identity.run_id
         descriptor = {"rank": self.rank, "world_size": self.world_size,
                       "jump": self.pairing.jump if self.pairing else 0, "topology": topology or {}}
         self.topology = topology_fingerprint(descriptor, self._group)
         self.store = NodeLocalStore(self.config.disk_folder, self.run_id, self.topology, self.rank,
                                     verify_integrity=self.config.verify_integrity, timeout_s=timeout)
+        if self.rank == 0:
+            logger.info("GEMINI: run %r keeps node-local state under %s (a relaunch must use the same folder)",
+                        self.run_id, self.config.disk_folder)
         allocate = allocator or heap_allocator(self.config.pin_memory)
         if allocator is None and self.config.host_memory == "shared":
             self._arena = self._open_arena()
@@ -137,7 +148,8 @@ class InMemoryCheckpointManager:
             self.config.shared_memory_dir, self.run_id, self.topology, self.rank,
             series=self.config.disk_folder, verify_integrity=self.config.verify_integrity,
             pin_memory=self.config.pin_memory,
-            peer_owner=self.pairing.recv_from if self.pairing else None)
+            peer_owner=self.pairing.recv_from if self.pairing else None,
+            reap_other_runs_after_s=self.config.reap_other_runs_after_s)
         if arena is None:
             logger.warning("GEMINI: rank %d cannot use node-owned shared memory for host slots (%s); "
                            "falling back to process heap slots, which do not survive a worker crash "
@@ -316,8 +328,11 @@ class InMemoryCheckpointManager:
         self._drain()
         self._release_sources()
         report = self._local_availability()
+        self.job_recovery_sources = {}
         while True:
             reports = wire.all_gather_json(report, self._group)
+            self.steps_seen = sorted({s for r in reports for s in r["own"]}
+                                     | {s for r in reports for held in r["held"].values() for s in held})
             holder_of = (lambda owner: self.pairing.holder_of(owner, self.world_size)) if self.pairing else None
             plan = choose_plan(reports, holder_of, exact_step=step, allowed_steps=allowed_steps)
             if plan is not None:
@@ -330,9 +345,12 @@ class InMemoryCheckpointManager:
                         "rank (missing, corrupt or from another run/topology); refusing to load anything")
                 return None
             failed = self._validate(plan)
-            verdicts = wire.all_gather_json(failed, self._group)
-            if not any(verdicts):
+            verdicts = wire.all_gather_json([failed, self.recovery_sources], self._group)
+            if not any(f for f, _ in verdicts):
                 self._plan = plan
+                self.job_recovery_sources = {int(key.split(":")[1]): (holder, medium)
+                                             for holder, (_, sources) in enumerate(verdicts)
+                                             for key, medium in sources.items()}
                 logger.info("GEMINI: rank %d recovers step %d from %s", self.rank, plan.step,
                             "itself" if plan.sources[self.rank] == self.rank
                             else f"rank {plan.sources[self.rank]}")
@@ -562,8 +580,8 @@ class InMemoryCheckpointManager:
         None they are kept only if this process is ending abnormally (a signal or an uncaught
         exception reached the manager) or the environment variable
         LM_RESILIENCY_KEEP_SHARED_MEMORY=1 is set (how a supervisor that restarts workers
-        keeps them across a planned stop). A SIGKILLed worker leaves them regardless; the next
-        run with another run id reaps them.
+        keeps them across a planned stop). A SIGKILLed worker leaves them regardless; a run with
+        another run id reaps them once older than `reap_other_runs_after_s`.
         """
         if self._closed:
             return

@@ -16,6 +16,11 @@ reuse a run id with different `disk_folder`s never see each other's slots). `<sc
 process of the same boot and PID namespace, so a PID check means something and a reboot
 (or a container with another PID namespace) never picks up bytes it cannot vouch for.
 
+Other runs' slots are left alone: a relaunch of a crashed job (same run id) adopts them. A
+starting arena removes the rank directories of another namespace only when their owner is dead
+AND they were last written at least `reap_other_runs_after_s` ago (default 24 h);
+`python -m lm_resiliency.cleanup` removes dead runs' slots on demand.
+
 Publication discipline (the same as node-local files). A segment holds only payload bytes;
 its sidecar ``<slot>.json`` holds identity (run id, topology, holder rank, owner rank), step,
 layout, structure, extra, the segment's size/device/inode and, with `verify_integrity`, a
@@ -57,12 +62,14 @@ import re
 import secrets
 import stat
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
@@ -78,7 +85,7 @@ _SIDECAR_KEYS = frozenset({"version", "run_id", "topology", "holder_rank", "slot
                            "layout", "structure", "extra", "crc32", "segment"})
 _OWNER_KEYS = frozenset({"version", "scope", "pid", "start_time"})
 _MAX_SIDECAR_BYTES = 512 * 1024 * 1024
-_NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
+NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
 _RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -133,8 +140,13 @@ def default_shared_memory_dir() -> str:
 
 def shared_namespace(run_id: str, topology: str, series: str) -> str:
     """Opaque name binding shared slots to one run id, topology and checkpoint series."""
+    return shared_namespace_of(run_namespace(run_id, topology), series)
+
+
+def shared_namespace_of(disk_namespace: str, series: str) -> str:
+    """The shared-memory namespace of the node-local namespace `disk_namespace` under `series`."""
     digest = hashlib.sha256(os.path.abspath(series).encode("utf-8")).hexdigest()[:8]
-    return f"{run_namespace(run_id, topology)}-{digest}"
+    return f"{disk_namespace}-{digest}"
 
 
 # ------------------------------------------------------------------------------- CUDA seam
@@ -239,15 +251,18 @@ class SharedSlotArena:
     """This rank's node-owned shared-memory slots for one run, topology and checkpoint series.
 
     Construction creates (or takes over from a dead predecessor) the rank directory and reaps
-    stale directories of dead runs in this scope; it raises `SharedMemoryUnavailable` when the
+    directories of other runs whose owner of this scope is dead and which were last written at
+    least `reap_other_runs_after_s` seconds ago; it raises `SharedMemoryUnavailable` when the
     directory cannot be used safely. `allocate` is a slot allocator (`(name, nbytes) -> tensor`);
     `retract`/`publish` implement `slots.SlotMirror`; `adopt()` returns the predecessor's READY
     slots; `close(keep=...)` removes the segments or leaves them for a restart.
     """
 
     def __init__(self, root: str, run_id: str, topology: str, rank: int, *, series: str,
-                 verify_integrity: bool, pin_memory: bool, peer_owner: Optional[int]) -> None:
+                 verify_integrity: bool, pin_memory: bool, peer_owner: Optional[int],
+                 reap_other_runs_after_s: float = DEFAULT_REAP_OTHER_RUNS_AFTER_S) -> None:
         self._uid = os.geteuid()
+        self._reap_after_s = float(reap_other_runs_after_s)
         self._root = os.path.abspath(root)
         self._run_id = run_id
         self._topology = topology
@@ -742,14 +757,14 @@ class SharedSlotArena:
                 os.close(fd)
             os.rename(temp, self._rank_name, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
         except OSError as exc:
-            _remove_tree(ns_fd, temp)
+            remove_tree(ns_fd, temp)
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             return False
         return True
 
     def _take_over(self, fd: int) -> None:
-        owner = self._read_owner(fd, self._dir)
+        owner = read_owner(fd, self._dir, self._uid)
         if owner is None:
             raise SegmentRejected(f"{self._dir}: rank directory has no valid {OWNER_FILE}; refusing to use it")
         if owner["scope"] != self._scope:
@@ -768,32 +783,13 @@ class SharedSlotArena:
         finally:
             self._fd = prev_fd
 
-    def _read_owner(self, dir_fd: int, path: str) -> Optional[dict]:
-        try:
-            fd = os.open(OWNER_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            _check_private(st, "owner record", os.path.join(path, OWNER_FILE), self._uid, directory=False)
-            if st.st_size > 4096:
-                return None
-            doc = _loads(os.read(fd, 4096))
-        except (SegmentRejected, OSError, UnicodeDecodeError, ValueError):
-            return None
-        finally:
-            os.close(fd)
-        if (not isinstance(doc, dict) or set(doc) != _OWNER_KEYS or doc["version"] != SHM_VERSION
-                or not isinstance(doc["scope"], str) or not _is_int(doc["pid"])
-                or not (doc["start_time"] is None or _is_int(doc["start_time"]))):
-            return None
-        return doc
-
     def _reap(self, root_fd: int) -> None:
-        """Remove rank directories of other runs (namespaces) whose owner, of this scope, is dead.
-        Directories of another scope, of a live owner, or that cannot be attributed are kept."""
+        """Remove rank directories of other runs (namespaces) whose owner, of this scope, is dead
+        and which nobody wrote for `reap_other_runs_after_s`. Directories of another scope, of a
+        live owner, younger ones (a relaunch of that run adopts them) or that cannot be attributed
+        are kept."""
         for entry in os.scandir(root_fd):
-            if entry.name == self._namespace or not _NAMESPACE_RE.fullmatch(entry.name):
+            if entry.name == self._namespace or not NAMESPACE_RE.fullmatch(entry.name):
                 continue
             if not entry.is_dir(follow_symlinks=False):
                 continue
@@ -813,40 +809,27 @@ class SharedSlotArena:
                 pass  # still holds live or foreign directories
 
     def _reap_namespace(self, ns_fd: int, ns_path: str, temps_only: bool = False) -> None:
-        """Dead rank directories of this scope (not in our own namespace: those are adopted by
-        their rank's next process) and directories left half-created by dead processes."""
-        for entry in os.scandir(ns_fd):
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            path = os.path.join(ns_path, entry.name)
-            temp = _TEMP_RE.fullmatch(entry.name)
-            if temp:
-                if temp.group("scope") == self._scope and not process_alive(int(temp.group("pid"))):
-                    _remove_tree(ns_fd, entry.name)
-                continue
-            match = _RANK_DIR_RE.fullmatch(entry.name)
-            if temps_only or not match or match.group("scope") != self._scope:
-                continue  # another boot or PID namespace: a local PID check says nothing about it
-            try:
-                fd = self._private_subdir(ns_fd, entry.name, path)
-            except (SegmentRejected, OSError) as exc:
-                logger.warning("GEMINI: not reaping %s: %s", path, exc)
-                continue
-            try:
-                owner = self._read_owner(fd, path)
-            finally:
-                os.close(fd)
-            if owner is None:
-                logger.warning("GEMINI: not reaping %s: no valid %s", path, OWNER_FILE)
-                continue
-            if owner["scope"] != self._scope or process_alive(owner["pid"], owner["start_time"]):
-                continue
-            with _held_lock:
-                if path in _held:
-                    continue
-            freed = _remove_tree(ns_fd, entry.name)
-            logger.info("GEMINI: reaped stale shared-memory slots %s of dead process %d (%d bytes)",
-                        path, owner["pid"], freed)
+        """Directories left half-created by dead processes and, unless `temps_only` (our own
+        namespace: its rank directories are adopted by their rank's next process), the rank
+        directories `judge_rank_dirs` finds stale."""
+        remove_dead_temp_dirs(ns_fd, self._scope)
+        if temps_only:
+            return
+        for verdict in judge_rank_dirs(ns_fd, ns_path, self._uid, self._scope, self._reap_after_s):
+            if verdict.kind == "unattributable":
+                logger.warning("GEMINI: not reaping %s: %s", verdict.path, verdict.reason)
+            elif verdict.kind == "young":
+                logger.info("GEMINI: keeping shared-memory slots %s of another run (%s): its relaunch can "
+                            "still recover from them; they are reaped after %g s "
+                            "(InMemoryCkptConfig.reap_other_runs_after_s) or by python -m lm_resiliency.cleanup",
+                            verdict.path, verdict.reason, self._reap_after_s)
+            elif verdict.kind == "stale":
+                with _held_lock:
+                    if verdict.path in _held:
+                        continue
+                freed = remove_tree(ns_fd, verdict.name)
+                logger.info("GEMINI: reaped stale shared-memory slots %s (%s; %d bytes)", verdict.path,
+                            verdict.reason, freed)
 
     def _reap_temps(self, dir_fd: int, path: str, only_ours: bool = False) -> None:
         for entry in os.scandir(dir_fd):
@@ -921,7 +904,108 @@ class SharedSlotArena:
             pass
 
 
-def _remove_tree(parent_fd: int, name: str) -> int:
+def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
+    """The owner record of the rank directory open as `dir_fd`, or None if missing or invalid."""
+    try:
+        fd = os.open(OWNER_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        _check_private(st, "owner record", os.path.join(path, OWNER_FILE), uid, directory=False)
+        if st.st_size > 4096:
+            return None
+        doc = _loads(os.read(fd, 4096))
+    except (SegmentRejected, OSError, UnicodeDecodeError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if (not isinstance(doc, dict) or set(doc) != _OWNER_KEYS or doc["version"] != SHM_VERSION
+            or not isinstance(doc["scope"], str) or not _is_int(doc["pid"])
+            or not (doc["start_time"] is None or _is_int(doc["start_time"]))):
+        return None
+    return doc
+
+
+@dataclass(frozen=True)
+class RankDirVerdict:
+    """What the reaping policy says about one rank directory of a namespace.
+
+    kind: "stale" (owner of this scope dead, last written at least the age bound ago: may be
+    removed), "young" (owner dead, written more recently: kept for a relaunch), "live" (owner
+    runs), "foreign" (another boot or PID namespace: a local PID check says nothing) or
+    "unattributable" (no readable owner record, or not a private directory of ours)."""
+
+    name: str
+    path: str
+    kind: str
+    reason: str
+
+
+def judge_rank_dirs(ns_fd: int, ns_path: str, uid: int, scope: str, min_age_s: float) -> List[RankDirVerdict]:
+    """The reaping policy for every rank directory in one namespace directory (nothing is removed
+    here). Shared by a starting arena and `python -m lm_resiliency.cleanup`."""
+    verdicts = []
+    for entry in os.scandir(ns_fd):
+        match = _RANK_DIR_RE.fullmatch(entry.name)
+        if not match or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = os.path.join(ns_path, entry.name)
+        if match.group("scope") != scope:
+            verdicts.append(RankDirVerdict(entry.name, path, "foreign", "owned in another boot or PID namespace"))
+            continue
+        try:
+            fd = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=ns_fd)
+        except OSError as exc:
+            verdicts.append(RankDirVerdict(entry.name, path, "unattributable", f"cannot open it: {exc}"))
+            continue
+        try:
+            _check_private(os.fstat(fd), "shared-memory directory", path, uid, directory=True)
+            owner = read_owner(fd, path, uid)
+            age = time.time() - last_written(fd)
+        except (SegmentRejected, OSError) as exc:
+            verdicts.append(RankDirVerdict(entry.name, path, "unattributable", str(exc)))
+            continue
+        finally:
+            os.close(fd)
+        if owner is None or owner["scope"] != scope:
+            verdicts.append(RankDirVerdict(entry.name, path, "unattributable", f"no valid {OWNER_FILE}"))
+        elif process_alive(owner["pid"], owner["start_time"]):
+            verdicts.append(RankDirVerdict(entry.name, path, "live", f"live process {owner['pid']}"))
+        else:
+            kind = "stale" if age >= min_age_s else "young"
+            verdicts.append(RankDirVerdict(entry.name, path, kind, f"dead process {owner['pid']}, last written "
+                                           f"{age:.0f} s ago"))
+    return verdicts
+
+
+def remove_dead_temp_dirs(ns_fd: int, scope: str, dry_run: bool = False) -> List[str]:
+    """Remove directories half-created or half-removed by dead processes of this scope (never
+    usable state); returns their names (with `dry_run`, removes nothing)."""
+    removed = []
+    for entry in os.scandir(ns_fd):
+        temp = _TEMP_RE.fullmatch(entry.name)
+        if (temp and entry.is_dir(follow_symlinks=False) and temp.group("scope") == scope
+                and not process_alive(int(temp.group("pid")))):
+            if not dry_run:
+                remove_tree(ns_fd, entry.name)
+            removed.append(entry.name)
+    return removed
+
+
+def last_written(dir_fd: int) -> float:
+    """Newest modification time of a directory and the files in it (seconds since the epoch):
+    every slot publication renames a sidecar into the directory."""
+    newest = os.fstat(dir_fd).st_mtime
+    for entry in os.scandir(dir_fd):
+        try:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            continue
+    return newest
+
+
+def remove_tree(parent_fd: int, name: str) -> int:
     """Remove directory `name` (one level of files, never following links); bytes freed."""
     freed = 0
     try:
@@ -947,19 +1031,20 @@ def _remove_tree(parent_fd: int, name: str) -> int:
 
 
 def open_arena(root: Optional[str], run_id: str, topology: str, rank: int, *, series: str,
-               verify_integrity: bool, pin_memory: bool,
-               peer_owner: Optional[int]) -> Tuple[Optional[SharedSlotArena], Optional[str]]:
+               verify_integrity: bool, pin_memory: bool, peer_owner: Optional[int],
+               reap_other_runs_after_s: float) -> Tuple[Optional[SharedSlotArena], Optional[str]]:
     """The arena, or (None, reason) when shared memory cannot be used (the caller warns)."""
     try:
         arena = SharedSlotArena(root or default_shared_memory_dir(), run_id, topology, rank, series=series,
                                 verify_integrity=verify_integrity, pin_memory=pin_memory,
-                                peer_owner=peer_owner)
+                                peer_owner=peer_owner, reap_other_runs_after_s=reap_other_runs_after_s)
     except SharedMemoryUnavailable as exc:
         return None, str(exc.strerror or exc)
     return arena, None
 
 
 __all__ = [
-    "AdoptedSlot", "HostMemoryReport", "MAX_SLOTS", "SLOT_NAMES", "SegmentRejected", "SharedMemoryUnavailable",
-    "SharedSlotArena", "default_shared_memory_dir", "open_arena", "shared_namespace",
+    "AdoptedSlot", "HostMemoryReport", "MAX_SLOTS", "NAMESPACE_RE", "RankDirVerdict", "SLOT_NAMES", "SegmentRejected",
+    "SharedMemoryUnavailable", "SharedSlotArena", "default_shared_memory_dir", "judge_rank_dirs", "last_written",
+    "open_arena", "read_owner", "remove_dead_temp_dirs", "remove_tree", "shared_namespace", "shared_namespace_of",
 ]

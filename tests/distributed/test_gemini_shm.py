@@ -53,6 +53,7 @@ def _recover_and_continue(rank, world, tmp, config_kw, drop_own_of=None):
     manager = InMemoryCheckpointManager(_config(tmp, **config_kw))
     step = manager.find_latest()
     sources = dict(manager.recovery_sources)
+    job = dict(manager.job_recovery_sources)
     state = manager.load()
     # Training goes on in the adopted slots: capture, replicate, recover the new step in memory.
     next_state = {"w": torch.full((64,), float(rank)), "step": 100}
@@ -62,7 +63,7 @@ def _recover_and_continue(rank, world, tmp, config_kw, drop_own_of=None):
     assert_same(manager.load(), next_state)
     report = manager.host_memory()
     manager.close()
-    return step, sources, state, report
+    return step, sources, state, report, job
 
 
 def _no_checkpoint_files(tmp):
@@ -81,7 +82,7 @@ def test_every_rank_sigkilled_resumes_from_shared_memory_without_disk(tmp_path):
     assert _no_checkpoint_files(tmp) == []
 
     recovered = run_ranks(_recover_and_continue, 4, tmp, {}, timeout=60)
-    for rank, (step, sources, state, report) in enumerate(recovered):
+    for rank, (step, sources, state, report, _) in enumerate(recovered):
         exp_step, exp_state = torch.load(_expected_path(tmp, rank), weights_only=False)
         assert step == exp_step == 6
         assert sources == {f"own:{rank}": "shared-memory"}
@@ -99,7 +100,7 @@ def test_lost_own_slots_recover_from_peer_memory_before_own_disk(tmp_path):
     assert any(f == "own-000000000004.gemini" for f in _no_checkpoint_files(tmp))  # disk has step 4 too
 
     recovered = run_ranks(_recover_and_continue, 4, tmp, kw, 1, timeout=60)
-    for rank, (step, sources, state, _) in enumerate(recovered):
+    for rank, (step, sources, state, _, _) in enumerate(recovered):
         exp_step, exp_state = torch.load(_expected_path(tmp, rank), weights_only=False)
         assert step == exp_step == 4
         assert_same(state, exp_state)
@@ -109,6 +110,10 @@ def test_lost_own_slots_recover_from_peer_memory_before_own_disk(tmp_path):
     assert recovered[3][1] == {"own:3": "shared-memory", "held:1": "shared-memory"}
     assert recovered[1][1] == {}
     assert [recovered[r][1] for r in (0, 2)] == [{"own:0": "shared-memory"}, {"own:2": "shared-memory"}]
+    # Every rank sees the whole job's sources (what rank 0's "resumed ... from" line reports).
+    job = {r: (r, "shared-memory") for r in (0, 2, 3)}
+    job[1] = (3, "shared-memory")
+    assert all(result[4] == job for result in recovered)
 
 
 def _killed_while_writing(rank, world, tmp):
@@ -191,14 +196,39 @@ def _train_and_close(rank, world, tmp, config_kw):
     return sorted(os.listdir(os.path.join(tmp, "shm")))
 
 
-def test_crashed_run_is_reaped_by_next_run_and_clean_run_leaves_nothing(tmp_path):
+def test_another_run_leaves_a_crashed_runs_slots_for_its_relaunch(tmp_path):
+    tmp = str(tmp_path)
+    crashed = {"run_id": "crashed", "replication_jump": 1, "disk_flush_interval": 2}
+    outcomes = run_ranks(_train_then_sigkill, 2, tmp, 4, crashed, timeout=60, check=False)
+    assert [o.killed_by for o in outcomes] == [signal.SIGKILL] * 2
+    (crashed_ns,) = os.listdir(os.path.join(tmp, "shm"))
+    crashed_dirs = sorted(os.listdir(os.path.join(tmp, "shm", crashed_ns)))
+    assert len(crashed_dirs) == 2  # one directory per rank
+    crashed_files = sorted(_no_checkpoint_files(tmp))
+    assert "own-000000000004.gemini" in crashed_files
+
+    # An unrelated job on the node (another run id, default 24 h bound) leaves them alone...
+    seen = run_ranks(_train_and_close, 2, tmp, {"run_id": "next", "replication_jump": 1}, timeout=60)
+    assert all(crashed_ns in names for names in seen)
+    assert sorted(os.listdir(os.path.join(tmp, "shm", crashed_ns))) == crashed_dirs
+    assert sorted(f for f in _no_checkpoint_files(tmp) if f in crashed_files) == crashed_files  # its files too
+    # ...so the crashed job's relaunch still recovers from shared memory, and its clean end
+    # leaves no shared memory behind.
+    recovered = run_ranks(_recover, 2, tmp, crashed, timeout=60)
+    for rank, (step, sources, state) in enumerate(recovered):
+        exp_step, exp_state = torch.load(_expected_path(tmp, rank), weights_only=False)
+        assert step == exp_step == 4 and sources == {f"own:{rank}": "shared-memory"}
+        assert_same(state, exp_state)
+    assert _shm_entries(tmp) == []
+
+
+def test_dead_runs_slots_older_than_the_bound_are_reaped(tmp_path):
     tmp = str(tmp_path)
     outcomes = run_ranks(_train_then_sigkill, 2, tmp, 4, {"run_id": "crashed", "replication_jump": 1},
                          timeout=60, check=False)
     assert [o.killed_by for o in outcomes] == [signal.SIGKILL] * 2
     (crashed_ns,) = os.listdir(os.path.join(tmp, "shm"))
-    assert len(os.listdir(os.path.join(tmp, "shm", crashed_ns))) == 2  # one directory per rank
-
-    seen = run_ranks(_train_and_close, 2, tmp, {"run_id": "next", "replication_jump": 1}, timeout=60)
+    seen = run_ranks(_train_and_close, 2, tmp, {"run_id": "next", "replication_jump": 1,
+                                                "reap_other_runs_after_s": 0}, timeout=60)
     assert all(crashed_ns not in names for names in seen)  # reaped when the new run started
     assert _shm_entries(tmp) == []

@@ -29,6 +29,7 @@ GUIDE_DEFAULTS = {
     "timeout_s": 300.0,
     "host_memory": "shared",
     "shared_memory_dir": None,
+    "reap_other_runs_after_s": 86400.0,  # docs/gemini.md, "Run identity"
 }
 
 
@@ -52,6 +53,7 @@ def test_guide_example_constructs():
     ("interval", 1), ("replication_jump", 1), ("replication_jump", 8),
     ("replication_chunk_size", 1), ("disk_flush_interval", 0), ("disk_folder", "/tmp/x"),
     ("run_id", "r"), ("timeout_s", 0.5), ("timeout_s", 2),
+    ("reap_other_runs_after_s", 0), ("reap_other_runs_after_s", 3600), ("reap_other_runs_after_s", math.inf),
 ])
 def test_boundary_values_accepted(field, value):
     assert getattr(InMemoryCkptConfig(**{field: value}), field) == value
@@ -63,7 +65,9 @@ BAD_VALUES = [
     ("replication_chunk_size", 0),
     ("disk_flush_interval", -1),
     ("disk_folder", ""),
-    ("run_id", ""), ("run_id", "  "),
+    ("run_id", ""), ("run_id", "  "), ("run_id", "none"), ("run_id", " None "),
+    ("reap_other_runs_after_s", -1), ("reap_other_runs_after_s", math.nan), ("reap_other_runs_after_s", "1h"),
+    ("reap_other_runs_after_s", True),
     ("enable", 1), ("verify_integrity", 1), ("skip_replication_if_hsdp", 1), ("pin_memory", 1),
     ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", math.nan), ("timeout_s", True),
     ("timeout_s", "300"), ("interval", "10"), ("disk_folder", None), ("run_id", 7),

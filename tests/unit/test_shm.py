@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -26,10 +27,11 @@ TOPO = "topo-1"
 OTHER_UID = 12345
 
 
-def make_arena(tmp_path, rank=0, verify=False, run_id=RUN, topology=TOPO, peer_owner=1, root=None):
+def make_arena(tmp_path, rank=0, verify=False, run_id=RUN, topology=TOPO, peer_owner=1, root=None,
+               reap_after_s=24 * 3600.0):
     return SharedSlotArena(str(root or tmp_path / "shm"), run_id, topology, rank,
                            series=str(tmp_path / "disk"), verify_integrity=verify, pin_memory=False,
-                           peer_owner=peer_owner)
+                           peer_owner=peer_owner, reap_other_runs_after_s=reap_after_s)
 
 
 def sample_state(seed=0):
@@ -342,17 +344,38 @@ def _stale_rank_dir(tmp_path, run_id, pid, scope=None, start_time=None):
     return d
 
 
-def test_new_run_reaps_dead_runs_of_this_scope_only(tmp_path):
-    dead = _stale_rank_dir(tmp_path, "old-dead", dead_pid())
+def backdate(directory, seconds):
+    """Make a rank directory look last written `seconds` ago."""
+    when = time.time() - seconds
+    for name in os.listdir(directory):
+        os.utime(os.path.join(directory, name), (when, when), follow_symlinks=False)
+    os.utime(directory, (when, when))
+
+
+def test_new_run_reaps_only_old_dead_runs_of_this_scope(tmp_path, caplog):
+    day = 24 * 3600
+    old = _stale_rank_dir(tmp_path, "old-dead", dead_pid())
+    backdate(old, day + 60)
+    young = _stale_rank_dir(tmp_path, "young-dead", dead_pid())
+    backdate(young, day - 600)  # a relaunch of that crashed job can still recover from it
     foreign = _stale_rank_dir(tmp_path, "old-foreign", dead_pid(), scope="0123456789abcdef")
+    backdate(foreign, 2 * day)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         live = _stale_rank_dir(tmp_path, "old-live", sleeper.pid, start_time=shm.process_start_time(sleeper.pid))
-        arena = make_arena(tmp_path, run_id="new-run")
-        assert not os.path.exists(dead) and not os.path.exists(os.path.dirname(dead))
+        backdate(live, 2 * day)
+        with caplog.at_level(logging.INFO, logger="lm_resiliency.gemini.shm"):
+            arena = make_arena(tmp_path, run_id="new-run")  # default bound: 24 h
+        assert not os.path.exists(old) and not os.path.exists(os.path.dirname(old))
+        assert any(name.startswith("own_") and name.endswith(".json") for name in os.listdir(young))
+        assert f"keeping shared-memory slots {young}" in caplog.text
         assert os.path.exists(foreign) and os.listdir(foreign)  # another boot/PID namespace: untouched
         assert os.path.exists(live) and os.listdir(live)  # owner alive: untouched
         arena.close(keep=False)
+        # A bound of 0 (the pre-bound behaviour) reaps the young dead run too, never the live one.
+        make_arena(tmp_path, run_id="newer-run", reap_after_s=0).close(keep=False)
+        assert not os.path.exists(young)
+        assert os.path.exists(live) and os.listdir(live)
     finally:
         sleeper.kill()
         sleeper.wait()
