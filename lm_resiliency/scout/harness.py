@@ -84,7 +84,8 @@ class ScoutHarness:
                            "%s (the out-of-band hang/stall monitor stays on)", exc)
         if self.world_size > 1 and peer_groups is not None:
             for ranks in peer_groups:
-                created = dist.new_group(ranks, backend="gloo")
+                # Bounded where SCOUT itself calls a stall a hang (torch's default: 30 minutes).
+                created = wire.new_group(ranks, config.hang_stall_threshold_s, "SCOUT's replay peer group")
                 self._groups.append(created)
                 if self.rank in ranks:
                     replay_group, group_ranks = created, list(ranks)
