@@ -30,7 +30,7 @@ from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
-from lm_resiliency.gemini.replication import (_TAG_SPAN, Pairing, PeerReplicator, agree_on_pairing,
+from lm_resiliency.gemini.replication import (Pairing, PeerReplicator, agree_on_pairing, message_tag,
                                               resolve_jump)
 from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
 from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
@@ -399,7 +399,7 @@ class InMemoryCheckpointManager:
         if plan is None:
             return None
         # A tag of its own per load: messages left by a failed earlier transfer never match.
-        tag = _TAG_SPAN + 1 + self._loads % _TAG_SPAN
+        tag = message_tag(self._loads, recovery=True)
         self._loads += 1
         sender = threading.Thread(target=self._send_replicas, args=(plan, tag), daemon=True)
         try:

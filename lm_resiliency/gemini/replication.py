@@ -65,7 +65,16 @@ def resolve_jump(configured: int, world_size: int) -> int:
     return world_size // 2
 
 
-_TAG_SPAN = 1 << 30  # exchange tags cycle through 1.._TAG_SPAN; recovery transfers use higher tags
+_TAG_SPAN = 1 << 30
+
+
+def message_tag(count: int, recovery: bool = False) -> int:
+    """The gloo tag of the `count`-th replication exchange (1 .. 2**30) or recovery load
+    (2**30 + 1 .. 2**31 - 1) of a manager: both ranks of a pair count alike, so every transfer
+    has a tag no other transfer of the next 2**30 uses."""
+    if recovery:
+        return _TAG_SPAN + 1 + count % (_TAG_SPAN - 1)
+    return 1 + count % _TAG_SPAN
 
 
 def agree_on_pairing(jump: int, chunk_size: int, group: Optional[dist.ProcessGroup]) -> None:
@@ -113,7 +122,7 @@ class PeerReplicator:
 
     def exchange(self, source: HostSlot, receive_into: Callable[[Layout], HostSlot]) -> tuple:
         """Send `source`, receive the peer's capture. Returns (slot, header) of what was received."""
-        self._tag = 1 + self._exchanges % _TAG_SPAN
+        self._tag = message_tag(self._exchanges)
         self._exchanges += 1
         header = {
             "step": source.step,
