@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
-from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.identity import resolve_run_id, topology_fingerprint
@@ -112,12 +112,22 @@ class InMemoryCheckpointManager:
             # Dedicated gloo group: replication and agreement never queue behind training collectives.
             self._group = wire.new_group(None, timeout, "GEMINI's replication and recovery group")
         self.pairing: Optional[Pairing] = None
+        invalid: Optional[ConfigError] = None
         if replicate and self.world_size > 1:
-            jump = resolve_jump(self.config.replication_jump, self.world_size)
-            self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
+            try:
+                jump = resolve_jump(self.config.replication_jump, self.world_size)
+                self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
+            except ConfigError as exc:
+                invalid = exc  # raised after the agreement, so the other ranks do not wait for us
         if self.world_size > 1:
-            agree_on_pairing(self.pairing.jump if self.pairing else 0,
-                             self.config.replication_chunk_size if self.pairing else 0, self._group)
+            try:
+                agree_on_pairing(self.pairing.jump if self.pairing else 0,
+                                 self.config.replication_chunk_size if self.pairing else 0, self._group)
+            except ConfigError:
+                if invalid is None:
+                    raise
+        if invalid is not None:
+            raise invalid
         self.run_id = resolve_run_id(self.config.run_id, self._group)
         descriptor = {"rank": self.rank, "world_size": self.world_size,
                       "jump": self.pairing.jump if self.pairing else 0, "topology": topology or {}}
@@ -554,7 +564,8 @@ class InMemoryCheckpointManager:
         missing = sorted({"step", "owner_rank", "layout", "structure"} - set(header))
         if missing:
             raise refuse(f"missing {missing}")
-        if header["step"] != step or header["owner_rank"] != self.rank:
+        identity = (header["step"], header["owner_rank"])
+        if any(type(v) is not int for v in identity) or identity != (step, self.rank):
             raise refuse(f"it is step {header['step']!r} of rank {header['owner_rank']!r}, recovery "
                          f"agreed on step {step} of rank {self.rank}")
         try:

@@ -119,11 +119,13 @@ class PeerReplicator:
         self.timeout_s = timeout_s
         self._exchanges = 0
         self._tag = 1
+        self._step = -1
 
     def exchange(self, source: HostSlot, receive_into: Callable[[Layout], HostSlot]) -> tuple:
         """Send `source`, receive the peer's capture. Returns (slot, header) of what was received."""
         self._tag = message_tag(self._exchanges)
         self._exchanges += 1
+        self._step = source.step
         header = {
             "step": source.step,
             "owner_rank": self.rank,
@@ -222,4 +224,5 @@ class PeerReplicator:
             except (RuntimeError, TimeoutError) as exc:
                 first = first or exc
         if first is not None:
-            raise first
+            raise type(first)(f"step {self._step}, sending to rank {self.pairing.send_to} and receiving "
+                              f"from rank {self.pairing.recv_from}: {first}") from first

@@ -84,7 +84,8 @@ def _short_replica(rank, world, folder):
 def test_replica_chunk_shorter_than_announced_is_refused(tmp_path):
     (zero, zero_held), (one, one_held) = run_ranks(_short_replica, 2, str(tmp_path), timeout=90)
     assert zero == "accepted" and zero_held == [1]
-    assert one.startswith("GEMINI background replication failed: rank 0 sent fewer than the ")
+    assert one == ("GEMINI background replication failed: step 1, sending to rank 0 and receiving from "
+                   "rank 0: rank 0 sent fewer than the 64 bytes it announced; the partial data is discarded")
     assert one_held == [], "a short replica is never published"
 
 
@@ -269,8 +270,9 @@ def test_rank_killed_inside_an_exchange(tmp_path, phase):
         assert outcomes[survivor].exitcode == 0, outcomes[survivor].error
         errors = outcomes[survivor].result
         assert [step for step, _ in errors] == [3]
-        assert errors[0][1].startswith("GEMINI background replication failed: distributed operation did "
-                                       "not complete within 10")
+        assert errors[0][1].startswith(
+            f"GEMINI background replication failed: step 3, sending to rank {(survivor + 1) % 3} and "
+            f"receiving from rank {(survivor - 1) % 3}: distributed operation did not complete within 10")
     # Step 3's replica of rank 1 never completed on rank 2: the newest complete step is 2.
     recovered = run_ranks(_recover_after_kill, 3, str(tmp_path), timeout=120)
     for rank, (step, state, sources) in enumerate(recovered):
