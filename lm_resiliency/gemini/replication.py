@@ -20,6 +20,7 @@ from lm_resiliency import wire
 from lm_resiliency.config import ConfigError
 from lm_resiliency.codec import Layout
 from lm_resiliency.gemini.slots import HostSlot
+from lm_resiliency.tensor_bytes import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,10 @@ def agree_on_pairing(jump: int, chunk_size: int, group: Optional[dist.ProcessGro
 def chunk_tails(payload: torch.Tensor, chunk_size: int) -> str:
     """Hex of the final byte of each `chunk_size` piece of `payload`: what the receiver checks
     to know that every chunk arrived whole."""
-    total = payload.numel()
-    ends = list(range(chunk_size - 1, total, chunk_size))
-    if total and (not ends or ends[-1] != total - 1):
-        ends.append(total - 1)
-    return bytes(payload[ends].tolist()).hex() if ends else ""
+    tails = payload[chunk_size - 1:: chunk_size]
+    if payload.numel() % chunk_size:
+        tails = torch.cat([tails, payload[-1:]])
+    return tensor_bytes(tails.contiguous()).hex()
 
 
 class PeerReplicator:
