@@ -24,11 +24,13 @@ def decode_json(data: torch.Tensor) -> Any:
 _FIRST_ROUND_BYTES = 16384  # most agreement documents fit: one collective instead of two
 
 
-def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None,
+                    timeout_s: Optional[float] = None) -> List[Any]:
     """Every rank's JSON value, ordered by group rank. Single-process: `[value]`.
 
     One all-gather of a fixed-size frame (length + document); a second, exactly sized round
-    only when some rank's document did not fit."""
+    only when some rank's document did not fit. `timeout_s` bounds each round (default: the
+    group's own timeout)."""
     if not dist.is_initialized():
         return [json.loads(json.dumps(value, allow_nan=False))]
     world = dist.get_world_size(group)
@@ -38,7 +40,7 @@ def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None) -> Li
     head = payload[:_FIRST_ROUND_BYTES]
     frame[8:8 + head.numel()] = head
     frames = [torch.empty_like(frame) for _ in range(world)]
-    dist.all_gather(frames, frame, group=group)
+    _all_gather(frames, frame, group, timeout_s)
     sizes = [int(f[:8].view(torch.int64)[0]) for f in frames]
     longest = max(sizes)
     if longest <= _FIRST_ROUND_BYTES:
@@ -46,8 +48,16 @@ def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None) -> Li
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    _all_gather(gathered, padded, group, timeout_s)
     return [decode_json(g[:n]) for g, n in zip(gathered, sizes)]
+
+
+def _all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
+                timeout_s: Optional[float]) -> None:
+    if timeout_s is None:
+        dist.all_gather(outputs, tensor, group=group)
+    else:
+        wait(dist.all_gather(outputs, tensor, group=group, async_op=True), timeout_s)
 
 
 def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:

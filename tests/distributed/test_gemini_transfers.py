@@ -364,3 +364,39 @@ def test_group_creation_without_the_peer_fails_in_bounded_time():
     assert message.startswith("creating SCOUT's collective probe group (a gloo group of ranks [0, 1]) "
                               "did not complete within 2.0s")
     assert elapsed < 6
+
+
+
+def _scout_setup(rank, world, rank1_reaches):
+    """Rank 0 constructs SCOUT; rank 1 stops short of `rank1_reaches` ("hosts": it never
+    starts; "groups": it gathers host names but never creates the replay group)."""
+    from lm_resiliency import ReplayHarnessConfig
+    from lm_resiliency.scout.harness import ScoutHarness
+
+    def stall(*args, **kwargs):
+        time.sleep(6)
+        raise RuntimeError("rank 1 gave up")
+
+    if rank == 1:
+        if rank1_reaches == "hosts":
+            return time.sleep(6)
+        wire.new_group = stall
+    model = torch.nn.Linear(4, 2)
+    config = ReplayHarnessConfig(hang_stall_threshold_s=1.0, full_sweep_timeout_s=1.0)
+    started = time.monotonic()
+    try:
+        ScoutHarness(model, torch.optim.SGD(model.parameters(), lr=0.1), config, on_oob_report=print)
+    except (TimeoutError, RuntimeError) as exc:
+        return str(exc), time.monotonic() - started
+    return "created", time.monotonic() - started
+
+
+@pytest.mark.parametrize("rank1_reaches, waited_for", [
+    ("hosts", "SCOUT setup: gathering every rank's host name did not complete within 2.0s"),
+    ("groups", "creating SCOUT's replay peer group (a gloo group of ranks [0, 1]) did not complete within 2.0s"),
+])
+def test_scout_setup_without_a_peer_fails_in_bounded_time(rank1_reaches, waited_for):
+    # Before: rank 0 waited in SCOUT's setup for the default group's / gloo's timeout (30 minutes).
+    message, elapsed = run_ranks(_scout_setup, 2, rank1_reaches, timeout=60)[0]
+    assert message.startswith(waited_for)
+    assert elapsed < 6
