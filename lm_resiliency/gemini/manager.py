@@ -22,7 +22,6 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, Optional
 
-import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
