@@ -342,6 +342,23 @@ def test_ranks_resolving_different_jumps_fail_at_construction(tmp_path):
             "(rank 0: jump 2, chunk 512, rank 1: jump 2, chunk 512, rank 2: jump 1, chunk 512;")
 
 
+def _one_rank_invalid_jump(rank, world, folder):
+    started = time.monotonic()
+    try:
+        InMemoryCheckpointManager(_config(folder, replication_jump=5 if rank == 0 else 1, timeout_s=30)).close()
+    except ValueError as exc:
+        return str(exc), time.monotonic() - started
+    return "constructed", time.monotonic() - started
+
+
+def test_a_rank_with_an_invalid_jump_does_not_leave_the_others_waiting(tmp_path):
+    (zero, zero_s), (one, one_s) = run_ranks(_one_rank_invalid_jump, 2, str(tmp_path), timeout=60)
+    assert zero.startswith("InMemoryCkptConfig.replication_jump: 5 is not a valid rank distance for world size 2")
+    assert one.startswith("InMemoryCkptConfig.replication_jump / replication_chunk_size: ranks resolved "
+                          "different values (rank 0: jump 0, chunk 0, rank 1: jump 1, chunk 512;")
+    assert max(zero_s, one_s) < 15, "nobody waits for the 30 s timeout"
+
+
 # ----------------------------------------------------- item 17: group creation is bounded
 
 
