@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_ch
 import torch
 import torch.distributed as dist
 
+from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.identity import FIX
@@ -135,7 +136,8 @@ class ResiliencySession:
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
                 _check_cadence(self.config.interval, self.replay_config)
                 if dist.is_initialized() and dist.get_world_size() > 1:
-                    self._agreement_group = dist.new_group(backend="gloo")
+                    self._agreement_group = wire.new_group(None, self.config.timeout_s,
+                                                           "the checkpoint-trust agreement group")
                     self.scout.exclude_groups(self._agreement_group)
                 self.ledger = CertificationLedger(1, self.manager.store, group=self._agreement_group,
                                                   durable=durable_checkpoint)

@@ -21,18 +21,17 @@ import signal
 import sys
 import threading
 import weakref
-from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
-from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
-from lm_resiliency.gemini.replication import Pairing, PeerReplicator, resolve_jump
+from lm_resiliency.gemini.replication import (Pairing, PeerReplicator, agree_on_pairing, message_tag,
+                                              resolve_jump)
 from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
 from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
@@ -84,12 +83,28 @@ class InMemoryCheckpointManager:
         # "shared-memory" / "disk"), and every step any rank reported (why nothing was chosen).
         self.job_recovery_sources: Dict[int, Tuple[int, str]] = {}
         self.steps_seen: List[int] = []
+        self._loads = 0
+        self._incoming_bytes: Optional[int] = None
+        if not self.config.enable:
+            self._setup_disabled()
+            return
         try:
             self._setup(topology, replicate, allocator, install_signal_handlers)
         except BaseException:
             self.close(keep_shared=True)  # a failed start never destroys a predecessor's slots
             raise
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _setup_disabled(self) -> None:
+        """InMemoryCkptConfig(enable=False): no process group, slots, files or signal handlers;
+        `save()` captures nothing and `find_latest()` finds nothing."""
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.pairing = None
+        self.store = None
+        self._plan = None
+        logger.info("GEMINI: disabled (InMemoryCkptConfig.enable=False) on rank %d: nothing is "
+                    "captured, written or recovered", self.rank)
 
     def _setup(self, topology: Optional[dict], replicate: bool, allocator: Optional[Allocator],
                install_signal_handlers: bool) -> None:
@@ -99,11 +114,24 @@ class InMemoryCheckpointManager:
         self.world_size = dist.get_world_size() if distributed else 1
         if self.world_size > 1:
             # Dedicated gloo group: replication and agreement never queue behind training collectives.
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            self._group = wire.new_group(None, timeout, "GEMINI's replication and recovery group")
         self.pairing: Optional[Pairing] = None
+        invalid: Optional[ConfigError] = None
         if replicate and self.world_size > 1:
-            jump = resolve_jump(self.config.replication_jump, self.world_size)
-            self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
+            try:
+                jump = resolve_jump(self.config.replication_jump, self.world_size)
+                self.pairing = Pairing.for_rank(self.rank, self.world_size, jump)
+            except ConfigError as exc:
+                invalid = exc  # raised after the agreement, so the other ranks do not wait for us
+        if self.world_size > 1:
+            try:
+                agree_on_pairing(self.pairing.jump if self.pairing else 0,
+                                 self.config.replication_chunk_size if self.pairing else 0, self._group)
+            except ConfigError:
+                if invalid is None:
+                    raise
+        if invalid is not None:
+            raise invalid
         # Resolved once: a later chdir must not move the node-local tier (or the shm namespace).
         self.config = dataclasses.replace(self.config, disk_folder=os.path.abspath(self.config.disk_folder))
         self.identity: RunIdentity = resolve_identity(self.config.run_id, self._group)
@@ -178,6 +206,8 @@ class InMemoryCheckpointManager:
         (at most 4 slots: own and peer, current and previous)."""
         if self._arena is not None:
             return self._arena.report()
+        if not self.config.enable:
+            return HostMemoryReport("heap", None, {})
         return HostMemoryReport("heap", None, dict(self._heap_bytes))
 
     # ----------------------------------------------------------------- capture
@@ -187,6 +217,8 @@ class InMemoryCheckpointManager:
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"save(step=...): step must be a non-negative int, got {step!r}")
+        if not self.config.enable:
+            return
         self.maybe_wait()
         encoded = encode_state(state_dict)
         layout = self._layout_for(encoded.tensors)
@@ -206,6 +238,8 @@ class InMemoryCheckpointManager:
     def maybe_wait(self) -> None:
         """Block until the prior capture is complete and its replication launched."""
         self._check_usable()
+        if not self.config.enable:
+            return
         if not self._capture_done.wait(self.config.timeout_s):
             raise TimeoutError(f"GEMINI capture did not complete within {self.config.timeout_s}s")
         self._raise_background_error()
@@ -219,6 +253,8 @@ class InMemoryCheckpointManager:
     @property
     def latest_step(self) -> int:
         """Step of the newest complete own capture in memory, or -1."""
+        if not self.config.enable:
+            return -1
         ready = self._own.ready_slots()
         return ready[0].step if ready else -1
 
@@ -290,7 +326,7 @@ class InMemoryCheckpointManager:
 
         Used by the SIGTERM/SIGINT handler and `flush_for_restart()`. Waits (bounded) for the
         newest capture's replication so the held replica of the same step is written too."""
-        if self._closed:
+        if self._closed or not self.config.enable:
             return -1
         if not self._capture_done.wait(self.config.timeout_s):
             logger.error("GEMINI flush: the current capture did not complete in %ss; flushing the previous one",
@@ -325,8 +361,18 @@ class InMemoryCheckpointManager:
         disk), or None. With `step`, only that exact step is considered; with `allowed_steps`
         (e.g. RECOVERY_VERIFIED steps), only those."""
         self._check_usable()
+        if not self.config.enable:
+            return None
         self._drain()
         self._release_sources()
+        self._plan = None
+        try:
+            return self._select(step, allowed_steps)
+        except BaseException:
+            self._release_sources()  # a slot left pinned here would block a later capture
+            raise
+
+    def _select(self, step: Optional[int], allowed_steps: Optional[Iterable[int]]) -> Optional[int]:
         report = self._local_availability()
         self.job_recovery_sources = {}
         while True:
@@ -338,23 +384,26 @@ class InMemoryCheckpointManager:
             if plan is not None:
                 plan = self._prefer_memory(plan, reports)
             if plan is None:
-                self._plan = None
                 if step is not None:
                     raise RecoveryUnavailable(
                         f"GEMINI step {step} was selected for recovery but is not loadable on every "
                         "rank (missing, corrupt or from another run/topology); refusing to load anything")
                 return None
             failed = self._validate(plan)
-            verdicts = wire.all_gather_json([failed, self.recovery_sources], self._group)
-            if not any(f for f, _ in verdicts):
+            verdicts = wire.all_gather_json({"failed": failed, "sends": self._send_sizes(plan),
+                                             "sources": self.recovery_sources}, self._group)
+            if not any(v["failed"] for v in verdicts):
+                holder = plan.sources[self.rank]
+                self._incoming_bytes = (None if holder == self.rank
+                                        else verdicts[holder]["sends"][str(self.rank)])
                 self._plan = plan
-                self.job_recovery_sources = {int(key.split(":")[1]): (holder, medium)
-                                             for holder, (_, sources) in enumerate(verdicts)
-                                             for key, medium in sources.items()}
+                self.job_recovery_sources = {int(key.split(":")[1]): (source_rank, medium)
+                                             for source_rank, verdict in enumerate(verdicts)
+                                             for key, medium in verdict["sources"].items()}
                 logger.info("GEMINI: rank %d recovers step %d from %s", self.rank, plan.step,
-                            "itself" if plan.sources[self.rank] == self.rank
-                            else f"rank {plan.sources[self.rank]}")
+                            "itself" if holder == self.rank else f"rank {holder}")
                 return plan.step
+            self._release_sources()  # the retry pins what the next plan needs, nothing more
             for kind, owner, bad_step in failed:
                 for part in (report, report["memory"]):
                     if kind == "own":
@@ -363,6 +412,13 @@ class InMemoryCheckpointManager:
                         held = part["held"].get(str(owner), [])
                         part["held"][str(owner)] = [s for s in held if s != bad_step]
 
+    def _send_sizes(self, plan: RecoveryPlan) -> dict:
+        """Bytes this rank will send to each rank whose state it provides: agreed before any
+        transfer, so a receiver never allocates what a header merely claims."""
+        return {str(owner): self._source_parts(f"held:{owner}")[0].total_bytes
+                for holder, owner in plan.transfers()
+                if holder == self.rank and f"held:{owner}" in self._sources}
+
     def load(self) -> Optional[Any]:
         """Collective: the state selected by `find_latest()` (tensors owned by the caller), or None
         when nothing was found, so the caller's fallback runs."""
@@ -370,14 +426,17 @@ class InMemoryCheckpointManager:
         plan = self._plan
         if plan is None:
             return None
+        # A tag of its own per load: messages left by a failed earlier transfer never match.
+        tag = message_tag(self._loads, recovery=True)
+        self._loads += 1
+        sender = threading.Thread(target=self._send_replicas, args=(plan, tag), daemon=True)
         try:
-            sender = threading.Thread(target=self._send_replicas, args=(plan,), daemon=True)
             sender.start()
             holder = plan.sources[self.rank]
             if holder == self.rank:
                 layout, structure, tensors = self._own_source()
             else:
-                layout, structure, tensors = self._receive_replica(holder)
+                layout, structure, tensors = self._receive_replica(holder, plan.step, tag)
             sender.join(self.config.timeout_s)
             if sender.is_alive():
                 raise TimeoutError("GEMINI recovery: sending replicas did not finish in time")
@@ -386,6 +445,8 @@ class InMemoryCheckpointManager:
                 raise error
             return decode_state(structure, tensors)
         finally:
+            if sender.is_alive():
+                sender.join(self.config.timeout_s)  # its source slots stay pinned until it is done
             self._release_sources()
             self._plan = None
 
@@ -489,24 +550,50 @@ class InMemoryCheckpointManager:
                 payload = payload.clone()
         return layout, structure, layout.views(payload)
 
-    def _send_replicas(self, plan: RecoveryPlan) -> None:
+    def _send_replicas(self, plan: RecoveryPlan, tag: int) -> None:
         try:
             for holder, owner in plan.transfers():
                 if holder != self.rank:
                     continue
                 layout, structure, payload = self._source_parts(f"held:{owner}")
-                wire.send_json({"layout": layout.to_json(), "structure": structure}, owner, self._group,
-                               self.config.timeout_s)
-                wire.wait(dist.isend(payload, owner, group=self._group), self.config.timeout_s)
+                header = {"step": plan.step, "owner_rank": owner, "layout": layout.to_json(),
+                          "structure": structure}
+                wire.send_json(header, owner, self._group, self.config.timeout_s, tag)
+                wire.send_bytes(payload, owner, self._group, self.config.timeout_s, tag)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             self._send_error = exc
 
-    def _receive_replica(self, holder: int) -> tuple:
-        header = wire.recv_json(holder, self._group, self.config.timeout_s)
-        layout = Layout.from_json(header["layout"])
-        payload = torch.empty(layout.total_bytes, dtype=torch.uint8)
-        wire.wait(dist.irecv(payload, holder, group=self._group), self.config.timeout_s)
+    def _receive_replica(self, holder: int, step: int, tag: int) -> tuple:
+        header = wire.recv_json(holder, self._group, self.config.timeout_s, tag)
+        layout = self._check_replica_header(header, holder, step)
+        payload = wire.recv_bytes(holder, self._group, self.config.timeout_s, tag,
+                                  expected=layout.total_bytes)
         return layout, header["structure"], layout.views(payload)
+
+    def _check_replica_header(self, header: Any, holder: int, step: int) -> Layout:
+        """The replica's layout when its header is what recovery agreed on (this step, this rank,
+        the byte count rank `holder` reported); otherwise fail closed before allocating."""
+        def refuse(why: str) -> RecoveryUnavailable:
+            return RecoveryUnavailable(f"GEMINI recovery: rank {self.rank} refuses the replica header "
+                                       f"from rank {holder}: {why}; nothing is loaded")
+
+        if not isinstance(header, dict):
+            raise refuse(f"expected a JSON object, got {type(header).__name__}")
+        missing = sorted({"step", "owner_rank", "layout", "structure"} - set(header))
+        if missing:
+            raise refuse(f"missing {missing}")
+        identity = (header["step"], header["owner_rank"])
+        if any(type(v) is not int for v in identity) or identity != (step, self.rank):
+            raise refuse(f"it is step {header['step']!r} of rank {header['owner_rank']!r}, recovery "
+                         f"agreed on step {step} of rank {self.rank}")
+        try:
+            layout = Layout.from_json(header["layout"])
+        except ValueError as exc:
+            raise refuse(f"invalid layout ({exc})") from exc
+        if layout.total_bytes != self._incoming_bytes:
+            raise refuse(f"its layout holds {layout.total_bytes} bytes, rank {holder} reported "
+                         f"{self._incoming_bytes} when recovery was agreed")
+        return layout
 
     def _release_sources(self) -> None:
         for source in self._sources.values():

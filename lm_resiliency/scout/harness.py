@@ -71,7 +71,10 @@ class ScoutHarness:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        hosts = self._hosts(distributed)
+        # Setup waits (torch's default: 30 minutes) give up only once the hang monitor would have
+        # reported a stall and a full sweep could have localized it.
+        bound = config.hang_stall_threshold_s + config.full_sweep_timeout_s
+        hosts = self._hosts(distributed, bound)
         group_ranks = [self.rank]
         replay_group = None
         try:
@@ -84,7 +87,7 @@ class ScoutHarness:
                            "%s (the out-of-band hang/stall monitor stays on)", exc)
         if self.world_size > 1 and peer_groups is not None:
             for ranks in peer_groups:
-                created = dist.new_group(ranks, backend="gloo")
+                created = wire.new_group(ranks, bound, "SCOUT's replay peer group")
                 self._groups.append(created)
                 if self.rank in ranks:
                     replay_group, group_ranks = created, list(ranks)
@@ -109,11 +112,17 @@ class ScoutHarness:
         self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
             if self.detector is not None else None
 
-    def _hosts(self, distributed: bool) -> Dict[int, str]:
+    def _hosts(self, distributed: bool, timeout_s: float) -> Dict[int, str]:
         host = socket.gethostname()
         if not distributed:
             return {0: host}
-        return {rank: name for rank, name in enumerate(wire.all_gather_json(host))}
+        try:
+            names = wire.all_gather_json(host, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"SCOUT setup: gathering every rank's host name did not complete within "
+                               f"{timeout_s}s; every rank constructs SCOUT together, so another rank failed, "
+                               f"restarted alone or has not reached it ({exc})") from exc
+        return dict(enumerate(names))
 
     def before_forward(self, step: int) -> None:
         if self.detector is not None and self.detector.checks_due(step):

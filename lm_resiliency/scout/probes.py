@@ -112,7 +112,8 @@ class CollectiveProbe:
         self._gather_group = gather_group
         self._rank = dist.get_rank()
         self._groups: Tuple[Tuple[int, ...], ...] = tuple(normalized)
-        self._handles: List[Any] = [dist.new_group(list(g), backend="gloo") for g in self._groups]
+        self._handles: List[Any] = [wire.new_group(g, self.timeout_s, "SCOUT's collective probe group")
+                                    for g in self._groups]
         self._closed = False
 
     @property
