@@ -224,6 +224,7 @@ class _FlagAttachment:
         self.done = False
 
     def note_prepared(self, accelerator: Any) -> None:
+        from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
         from lm_resiliency.adapters.accelerate import DataLoaderTracker, trackable
 
         if self.done:
@@ -237,6 +238,10 @@ class _FlagAttachment:
             if id(model) not in self._hooked_models and hasattr(model, "register_forward_pre_hook"):
                 self._hooked_models.add(id(model))
                 self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.trigger()))
+                # A trigger from this hook runs inside DDP's forward, too late to pin its buckets.
+                ddp = find_wrapper(model)
+                if ddp is not None:
+                    pin_bucket_layout(ddp)
 
     def trigger(self) -> None:
         if self.done:
