@@ -21,7 +21,7 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.timeout(400)
 
 WORLD, STEPS, STOP_AFTER = 4, 9, 7
-SMALL_BUCKETS = {"bucket_cap_mb": 0.005}  # about 5 KB: the 4x(32x32) layers and head span 4 buckets
+SMALL_BUCKETS = {"bucket_cap_mb": 0.005}  # about 5 KB: the four 32x32 layers and the head span 3 buckets
 PIN = os.environ.get("LMR_TEST_DDP_PIN", "1") != "0"
 
 
