@@ -11,7 +11,8 @@ resumed step differs in the last bits and the difference carries forward.
 What `pin_bucket_layout` does, once, at attach and before the first training iteration: it
 rebuilds the reducer the way DDP's constructor does, over the same parameters in reverse
 registration order, and makes it rebuild its buckets immediately, in that order, with DDP's own
-size limits (a small first bucket, then `bucket_cap_mb`). The reducer then never rebuilds again.
+size limits (`bucket_cap_mb`, after a small first bucket when that is left at its default). The
+reducer then never rebuilds again.
 Reverse registration order is the gradient order DDP assumes for a model registered in forward
 order, so buckets still fill and all-reduce while backward runs. The cost is one rank-0
 broadcast of the layout at attach; a training step runs exactly DDP's code.
