@@ -86,9 +86,20 @@ def test_pin_fixes_reverse_registration_layout_and_keeps_gradients(ddp_kw):
     assert plain[0][1] != REVERSED  # DDP's own first layout differs: there is something to pin
 
 
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _refusals(rank, world):
     torch.manual_seed(0)
-    results = {}
+    warnings = _Warnings()
+    logging.getLogger(_ddp_compat.__name__).addHandler(warnings)
+    results = {"warnings": warnings.messages}
     trained = DDP(Forward(), bucket_cap_mb=0.005)
     _step(trained, torch.optim.SGD(trained.parameters(), lr=0.1), rank, 0)
     _step(trained, torch.optim.SGD(trained.parameters(), lr=0.1), rank, 1)
@@ -104,11 +115,14 @@ def _refusals(rank, world):
     return results
 
 
-def test_refuses_what_it_cannot_pin_and_leaves_fixed_layouts(caplog):
+def test_refuses_what_it_cannot_pin_and_leaves_fixed_layouts():
     results = run_ranks(_refusals, 2, timeout=90)
     for r in results:
-        assert r["trained"] is False      # warned: DDP already ran a backward pass
-        assert r["comm_hook"] is False    # warned: register the hook after attaching
+        assert r["trained"] is False and r["comm_hook"] is False
+        trained, hooked = r["warnings"]
+        assert "DDP already ran a backward pass before lm-resiliency attached" in trained
+        assert "register it after lm-resiliency attaches" in hooked
+        assert all("a resumed run can differ from an uninterrupted one" in m for m in r["warnings"])
         assert r["find_unused"] == (True, True)  # DDP never rebuilds: nothing to do
         assert r["unwrapped"] is None
 
