@@ -238,7 +238,8 @@ class _FlagAttachment:
             if id(model) not in self._hooked_models and hasattr(model, "register_forward_pre_hook"):
                 self._hooked_models.add(id(model))
                 self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.trigger()))
-                # A trigger from this hook runs inside DDP's forward, too late to pin its buckets.
+                # Pin DDP's buckets now, before any forward: a trigger from this hook would run
+                # inside DDP's forward, after its reducer began the iteration.
                 ddp = find_wrapper(model)
                 if ddp is not None:
                     pin_bucket_layout(ddp)
