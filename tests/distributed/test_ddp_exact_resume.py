@@ -6,7 +6,7 @@ order. lm-resiliency pins one layout at attach (adapters/_ddp_compat.py). Each c
 step 7 (a non-capture step: interval 2), resumes at step 6 and must end bitwise equal to an
 uninterrupted run. With the pin switched off (`LMR_TEST_DDP_PIN=0`) every case but
 find_unused_parameters (whose layout DDP never rebuilds) fails; `test_unpinned_resume_differs`
-keeps that evidence in the suite.
+keeps that evidence in the slow suite (`-m slow`).
 """
 
 import os
