@@ -26,7 +26,9 @@ one changes):
   `__setstate__` does.
 - `Reducer._push_all_rebuilt_params()` then `Reducer._rebuild_buckets()`: the Join hook's way to
   rebuild without a backward pass (pushes parameters in reducer index order; rank 0 broadcasts).
-- `DistributedDataParallel._has_rebuilt_buckets`, `._comm_hooks`, `._use_python_reducer`,
+- `DistributedDataParallel._comm_hooks` (the (hook, state) pairs `register_comm_hook` recorded):
+  cleared and registered again, through the public `register_comm_hook`, on the new reducer.
+- `DistributedDataParallel._has_rebuilt_buckets`, `._use_python_reducer`, `.mixed_precision`,
   `.reducer`, `.logger`, `._get_ddp_logging_data()["comm_hook"]`: to refuse what this cannot pin.
 - `Reducer._get_zeros_like_grad_buckets()`: reads the layout (`bucket_layout`).
 """
@@ -74,10 +76,14 @@ def pin_bucket_layout(ddp: nn.Module) -> bool:
     parameters.reverse()
     expect_sparse.reverse()
     names = ddp._build_debug_param_to_name_mapping(parameters)
+    hooks = list(ddp._comm_hooks)
     ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
+    ddp._comm_hooks.clear()
+    for hook, state in hooks:  # the new reducer carries the communication hooks the old one had
+        ddp.register_comm_hook(state, hook)
     ddp.reducer._push_all_rebuilt_params()
     if not ddp.reducer._rebuild_buckets():
         raise RuntimeError(f"DDP's reducer did not rebuild its buckets when asked (torch "
@@ -95,9 +101,11 @@ def _unpinnable(ddp: nn.Module) -> str | None:
     if ddp._has_rebuilt_buckets or any(p.grad is not None for p in ddp.module.parameters()):
         return ("DDP already ran a backward pass before lm-resiliency attached; attach "
                 "(enable_resiliency, or the framework callback) before the first training step")
-    if ddp._comm_hooks or "comm_hook" in ddp._get_ddp_logging_data():
-        return ("a DDP communication hook is registered; register it after lm-resiliency "
-                "attaches, so it lands on the pinned reducer")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "this DDP uses the experimental mixed_precision option"
+    if not ddp._comm_hooks and "comm_hook" in ddp._get_ddp_logging_data():
+        return ("a built-in DDP communication hook is registered (_register_builtin_comm_hook); "
+                "register it after lm-resiliency attaches, so it lands on the pinned reducer")
     return None
 
 

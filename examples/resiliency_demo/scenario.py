@@ -83,11 +83,10 @@ def wrap_ddp(model):
 
 
 def register_traced_allreduce(ddp) -> None:
-    """DDP's stock all-reduce as a Python communication hook, registered after enable_resiliency
-    (which pins the bucket layout on a hook-free DDP). DDP's own C++ bucket all-reduces are invisible
-    to SCOUT's hang rule, so a rank that blocks before its forward would look like every other
-    stalled rank; issued from Python, each bucket's all-reduce is traced, and the blocked rank is
-    the one that launched fewer (docs/scout.md, "The out-of-band monitor")."""
+    """DDP's stock all-reduce as a Python communication hook. DDP's own C++ bucket all-reduces
+    are invisible to SCOUT's hang rule, so a rank that blocks before its forward would look like
+    every other stalled rank; issued from Python, each bucket's all-reduce is traced, and the
+    blocked rank is the one that launched fewer (docs/scout.md, "The out-of-band monitor")."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)

@@ -55,14 +55,20 @@ def _step(ddp, optimizer, rank, step):
 
 
 def _pinned_then_trained(rank, world, ddp_kw, pin):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     torch.manual_seed(0)
     model = Forward()
+    hook = ddp_kw.pop("comm_hook", None)
     ddp = DDP(model, bucket_cap_mb=0.002, **ddp_kw)
+    if hook is not None:  # registered before the pin: it must carry over to the new reducer
+        ddp.register_comm_hook(None, getattr(default_hooks, hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pinned = _ddp_compat.pin_bucket_layout(ddp) if pin else None
     layout = _ddp_compat.bucket_layout(ddp)
     grads = [_step(ddp, optimizer, rank, step) for step in range(3)]
-    return pinned, layout, _ddp_compat.bucket_layout(ddp), grads, _ddp_compat.find_wrapper(model) is ddp
+    hooks = [h.__name__ for h, _ in ddp._comm_hooks]
+    return pinned, layout, _ddp_compat.bucket_layout(ddp), grads, _ddp_compat.find_wrapper(model) is ddp, hooks
 
 
 # A bucket closes once it reaches bucket_cap_mb (about 2 KB here).
@@ -70,17 +76,20 @@ REVERSED = [["head.bias", "head.weight", "layers.2.bias", "layers.2.weight"], ["
             ["layers.0.bias", "layers.0.weight"]]
 
 
-@pytest.mark.parametrize("ddp_kw", [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}],
-                         ids=["default", "static_graph", "gradient_as_bucket_view"])
+@pytest.mark.parametrize("ddp_kw", [{}, {"static_graph": True}, {"gradient_as_bucket_view": True},
+                                    {"comm_hook": "fp16_compress_hook"}],
+                         ids=["default", "static_graph", "gradient_as_bucket_view", "comm_hook"])
 def test_pin_fixes_reverse_registration_layout_and_keeps_gradients(ddp_kw):
-    pinned = run_ranks(_pinned_then_trained, 2, ddp_kw, True, timeout=90)
-    plain = run_ranks(_pinned_then_trained, 2, ddp_kw, False, timeout=90)
+    pinned = run_ranks(_pinned_then_trained, 2, dict(ddp_kw), True, timeout=90)
+    plain = run_ranks(_pinned_then_trained, 2, dict(ddp_kw), False, timeout=90)
     for rank in range(2):
-        ok, before, after, grads, found = pinned[rank]
+        ok, before, after, grads, found, hooks = pinned[rank]
         assert ok and found
+        assert hooks == plain[rank][5] == ([ddp_kw["comm_hook"]] if "comm_hook" in ddp_kw else [])
         # Reverse registration order in DDP's bucket sizes, from the first step on, never rebuilt.
         assert before == after == REVERSED
-        # Two ranks sum commutatively: the all-reduced gradients do not depend on the layout.
+        # Two ranks sum commutatively: the all-reduced gradients do not depend on the layout (with
+        # the fp16 hook, equal only if the hook ran on the pinned reducer too).
         for got, want in zip(grads, plain[rank][3]):
             assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert plain[0][1] != REVERSED  # DDP's own first layout differs: there is something to pin
@@ -105,8 +114,7 @@ def _refusals(rank, world):
     _step(trained, torch.optim.SGD(trained.parameters(), lr=0.1), rank, 1)
     results["trained"] = _ddp_compat.pin_bucket_layout(trained)
     hooked = DDP(Forward())
-    hooked.register_comm_hook(None, lambda state, bucket: dist.all_reduce(bucket.buffer(), async_op=True)
-                              .get_future().then(lambda fut: fut.value()[0]))
+    hooked._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     results["comm_hook"] = _ddp_compat.pin_bucket_layout(hooked)
     unused = DDP(Forward(), bucket_cap_mb=0.005, find_unused_parameters=True)
     layout = _ddp_compat.bucket_layout(unused)
@@ -121,7 +129,7 @@ def test_refuses_what_it_cannot_pin_and_leaves_fixed_layouts():
         assert r["trained"] is False and r["comm_hook"] is False
         trained, hooked = r["warnings"]
         assert "DDP already ran a backward pass before lm-resiliency attached" in trained
-        assert "register it after lm-resiliency attaches" in hooked
+        assert "a built-in DDP communication hook is registered" in hooked
         assert all("a resumed run can differ from an uninterrupted one" in m for m in r["warnings"])
         assert r["find_unused"] == (True, True)  # DDP never rebuilds: nothing to do
         assert r["unwrapped"] is None
