@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from lm_resiliency.adapter import StepCallbacks, Topology
+from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 from lm_resiliency.config import DATALOADER_RESUME_MODES
@@ -456,6 +457,11 @@ class AccelerateAdapter(_LoopStateMixin, PyTorchAdapter):
         self.accelerator = accelerator
         self.accelerated_optimizer = wrapped
         self.loop = loop
+        if kind.startswith("MULTI_"):
+            # Accelerate hands its DDP wrapper only to the caller: one bucket layout for every run.
+            ddp = find_wrapper(model)
+            if ddp is not None:
+                pin_bucket_layout(ddp)
 
     def topology(self) -> Topology:
         base = super().topology()

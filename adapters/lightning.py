@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.adapters.pytorch import load_model_in_place, rewrap_optimizer_state
 from lm_resiliency.session import capture_rng, restore_rng
 
@@ -122,6 +123,12 @@ class LightningAdapter(FrameworkAdapter):
                 f"{len(optimizers)} ({', '.join(type(o).__name__ for o in optimizers) or 'none'}); one GEMINI step "
                 "must be one optimizer step")
         self.optimizer = optimizers[0]
+        if self.kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            # The strategy wrapped the module in setup(), before on_fit_start built this adapter.
+            if isinstance(trainer.strategy.model, DistributedDataParallel):
+                pin_bucket_layout(trainer.strategy.model)
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._callbacks: Optional[StepCallbacks] = None
         self._boundary: Optional[Dict[str, Any]] = None   # Lightning state at the end of the captured step

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ class PyTorchAdapter(FrameworkAdapter):
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
+        if self.module is not model:
+            pin_bucket_layout(model)  # DDP: one gradient bucket layout for fresh and resumed runs
 
     # --------------------------------------------------------------- topology
 

@@ -3,10 +3,12 @@
     python -m benchmarks.healthy_path_bench [--rounds 6] [--steps 20] [--out benchmarks/results/healthy_path.json]
 
 `--ranks` real processes joined by gloo (FileStore) train an MLP of `--layers`
-Linear(`--width`, `--width`) layers with DDP and Adam, one thread each. Three configurations
+Linear(`--width`, `--width`) layers with DDP and Adam, one thread each. Four configurations
 live side by side in the same processes, each with its own model and optimizer (same
-initial weights): the unchanged loop (baseline), the loop under `enable_resiliency` with
-GEMINI at `--interval` (default 10) and the same at interval 1. After a warm-up (which also
+initial weights): the unchanged loop (baseline), the same loop with only DDP's bucket layout
+pinned as `enable_resiliency` pins it (adapters/_ddp_compat.py; no session), the loop under
+`enable_resiliency` with GEMINI at `--interval` (default 10) and the same at interval 1. After a
+warm-up (which also
 fills GEMINI's host slots), the configurations run in interleaved rounds of `--steps` steps,
 rotating the order each round, so background load hits all of them alike. A round ends when
 the configuration's background work (capture, replication, flush) is drained; that tail is
@@ -118,9 +120,10 @@ def take_hook_time() -> Dict[str, float]:
 class Config:
     """One configuration under test: its own DDP model, optimizer and (maybe) session."""
 
-    def __init__(self, name: str, interval: Optional[int]) -> None:
+    def __init__(self, name: str, interval: Optional[int], pin: bool = False) -> None:
         self.name = name
         self.interval = interval
+        self.pin = pin
         self.model = None
         self.optimizer = None
         self.session = None
@@ -134,6 +137,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+    from lm_resiliency.adapters._ddp_compat import bucket_layout, pin_bucket_layout
 
     say = log if rank == 0 else (lambda m: None)
     install_hook_timers()
@@ -162,10 +166,12 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    configs = [Config("baseline", None), Config(f"GEMINI interval {opts['interval']}", opts["interval"]),
-               Config("GEMINI interval 1", 1)]
+    configs = [Config("baseline", None), Config("DDP layout pinned", None, pin=True),
+               Config(f"GEMINI interval {opts['interval']}", opts["interval"]), Config("GEMINI interval 1", 1)]
     for cfg in configs:
         cfg.model, cfg.optimizer = build()
+        if cfg.pin and not pin_bucket_layout(cfg.model):  # collective, before any step
+            raise RuntimeError("the DDP bucket layout could not be pinned")
 
     # --- batch size: grow it until the baseline step reaches --step-ms. Each probe is the fastest of
     # a few steps (slowest rank each), so background load does not shrink the batch; every rank
@@ -280,7 +286,8 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     out: Dict[str, Any] = {"batch": batch_size, "calibration": calibration, "state_bytes_per_rank": state_bytes,
                            "configs": []}
     for cfg in configs:
-        entry = {"name": cfg.name, "interval": cfg.interval, "rounds": cfg.rounds}
+        entry = {"name": cfg.name, "interval": cfg.interval, "rounds": cfg.rounds,
+                 "ddp_buckets": [len(b) for b in bucket_layout(cfg.model)]}
         if cfg.session is not None:
             t0 = time.perf_counter()
             entry["host_memory"] = cfg.session.manager.host_memory().mode
@@ -331,11 +338,11 @@ def build_rows(summaries: List[dict], interval: int) -> List[dict]:
         s["throughput_loss_pct"] = loss
         s["per_round_throughput_loss_pct"] = per_round
         s["median_round_throughput_loss_pct"] = statistics.median(per_round)
-        is_base = s["interval"] is None
+        is_base = s is base
         target = "< 1% loss" if s["interval"] == interval and interval != 1 else "-"
         ok = None if target == "-" else loss < 1.0
         s["result"] = "-" if ok is None else ("PASS" if ok else "MISS")
-        hook = "-" if is_base else (f"{s['hook_mean_per_step_s'] * 1e3:.2f} ms "
+        hook = "-" if s["interval"] is None else (f"{s['hook_mean_per_step_s'] * 1e3:.2f} ms "
                                     f"({s['hook_mean_per_step_s'] / base['step_p50_s'] * 100:.2f}%)")
         rows.append({
             "config": s["name"],
@@ -394,7 +401,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     summaries = []
     for entry in r0["configs"]:
         s = summarize(entry)
-        s.update({"name": entry["name"], "interval": entry["interval"]})
+        s.update({"name": entry["name"], "interval": entry["interval"], "ddp_buckets": entry["ddp_buckets"]})
         summaries.append(s)
     rows = build_rows(summaries, args.interval)
     import torch
@@ -427,12 +434,16 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{os.cpu_count()} CPUs")
     print(f"{args.rounds} interleaved rounds x {args.steps} steps per config (order rotated), replication_jump=1, "
           f"disk_flush_interval={args.disk_flush_interval}, host memory "
-          f"{'/'.join(str(e.get('host_memory')) for e in r0['configs'][1:])}; load average "
+          f"{'/'.join(str(e.get('host_memory')) for e in r0['configs'][2:])}; load average "
           f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
     print(f"baseline step time: p50 {base['step_p50_s'] * 1e3:.1f} ms, p95 {base['step_p95_s'] * 1e3:.1f} ms "
           f"(slowest rank per step); baseline round-to-round throughput spread {noise:.1f}%")
     print(format_table(rows))
-    for s in summaries[1:]:
+    pinned = summaries[1]
+    print(f"DDP layout pin alone: throughput {pinned['throughput_loss_pct']:+.2f}% against the baseline (median of "
+          f"rounds {pinned['median_round_throughput_loss_pct']:+.2f}%); buckets (parameters each, in all-reduce "
+          f"order): baseline after its rebuild {base['ddp_buckets']}, pinned {pinned['ddp_buckets']}")
+    for s in summaries[2:]:
         if s["captures"]:
             parts = s["hook_parts_total_s"]
             other = (f" vs {s['other_step_mean_s'] * 1e3:.1f} ms otherwise" if s["other_step_mean_s"] is not None

@@ -224,6 +224,7 @@ class _FlagAttachment:
         self.done = False
 
     def note_prepared(self, accelerator: Any) -> None:
+        from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
         from lm_resiliency.adapters.accelerate import DataLoaderTracker, trackable
 
         if self.done:
@@ -237,6 +238,11 @@ class _FlagAttachment:
             if id(model) not in self._hooked_models and hasattr(model, "register_forward_pre_hook"):
                 self._hooked_models.add(id(model))
                 self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.trigger()))
+                # Pin DDP's buckets now, before any forward: a trigger from this hook would run
+                # inside DDP's forward, after its reducer began the iteration.
+                ddp = find_wrapper(model)
+                if ddp is not None:
+                    pin_bucket_layout(ddp)
 
     def trigger(self) -> None:
         if self.done:

@@ -31,7 +31,6 @@ from accelerate import Accelerator
 
 
 class Net(torch.nn.Module):
-    # Registered in backward order (head first), so a restarted DDP is bitwise equal (docs/api.md).
     def __init__(self) -> None:
         super().__init__()
         self.head = torch.nn.Linear(64, 4)

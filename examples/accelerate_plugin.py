@@ -33,8 +33,6 @@ from lm_resiliency.callbacks.accelerate import ResiliencyPlugin
 
 
 class Net(torch.nn.Module):
-    # Registered in backward order (head first): a restarted DDP then sums gradients in the same
-    # bucket order as an uninterrupted one, so the resumed run is bitwise equal (docs/api.md).
     def __init__(self) -> None:
         super().__init__()
         self.head = torch.nn.Linear(64, 4)

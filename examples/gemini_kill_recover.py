@@ -2,8 +2,9 @@
 
 This drives the low-level `InMemoryCheckpointManager` exactly as the GEMINI guide's loop does.
 Gradients are averaged per parameter in a fixed order so that the comparison with the
-baseline is bitwise (DDP's reducer reorders its buckets after its first iteration, which
-changes floating-point summation order after any restart; see docs/gemini.md).
+baseline is bitwise: DDP's reducer reorders its buckets after its first iteration, and only
+`enable_resiliency` and the framework surfaces pin its layout, not this low-level manager (see
+docs/frameworks.md, "DDP and bitwise resume").
 
     python examples/gemini_kill_recover.py            # what `make demo` runs
 

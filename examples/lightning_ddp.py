@@ -34,9 +34,6 @@ from lm_resiliency.callbacks.lightning import ResiliencyCallback
 
 
 class Regressor(L.LightningModule):
-    # Bias-free layers registered head first, i.e. in the order backward produces their gradients:
-    # DDP's first iteration after a restart then sums gradients in the same order as an
-    # uninterrupted run, so the resumed run is bitwise equal to it (docs/frameworks.md).
     def __init__(self) -> None:
         super().__init__()
         self.head = nn.Linear(64, 4, bias=False)

@@ -38,6 +38,7 @@ FEATURES = 16
 HIDDEN = 32
 OUTPUTS = 4
 LR = 1e-2
+BUCKET_CAP_MB = 0.004  # about 4 KB: four DDP gradient buckets
 HANG_THRESHOLD_S = 4.0
 MONITOR_POLL_S = 0.25
 STRAGGLER_DELAY_S = 0.3
@@ -71,6 +72,24 @@ def build_model():
 
     torch.manual_seed(0)
     return Net()
+
+
+def wrap_ddp(model):
+    """DistributedDataParallel with small gradient buckets, so that this small model spans
+    several, as a large one does with the default 25 MB."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def register_traced_allreduce(ddp) -> None:
+    """DDP's stock all-reduce as a Python communication hook. DDP's own C++ bucket all-reduces
+    are invisible to SCOUT's hang rule, so a rank that blocks before its forward would look like
+    every other stalled rank; issued from Python, each bucket's all-reduce is traced, and the
+    blocked rank is the one that launched fewer (docs/scout.md, "The out-of-band monitor")."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
 def build_optimizer(model):

@@ -1,9 +1,7 @@
-"""One training rank: a plain PyTorch data-parallel loop, lm-resiliency attached with one call.
-
-The loop averages gradients with one all-reduce per parameter in a fixed order (instead of DDP,
-whose reducer re-orders its buckets after the first iteration, so a restarted DDP would sum
-gradients in another order and could differ from the baseline in the last bits; see
-docs/api.md, "DDP and bitwise resume").
+"""One training rank: a plain PyTorch DistributedDataParallel loop, lm-resiliency attached with
+one call. lm-resiliency pins DDP's gradient-bucket layout when it attaches, so every generation
+(first or relaunched) sums gradients in the same order and the run ends bitwise equal to the
+baseline (docs/frameworks.md, "DDP and bitwise resume").
 
 What the rank tells the supervisor goes to `events/rank<r>.jsonl` (one JSON object per line):
   resumed      what `enable_resiliency` recovered (step, source per rank)
@@ -108,6 +106,7 @@ def _train(args, events: EventLog) -> int:
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=scenario.RUN_TIMEOUT_S))
     model = scenario.build_model()
+    ddp = scenario.wrap_ddp(model)
     optimizer = scenario.build_optimizer(model)
 
     stop = threading.Event()
@@ -121,18 +120,21 @@ def _train(args, events: EventLog) -> int:
         events.write("decision", decision=decision.to_json())
 
     session = enable_resiliency(
-        model, optimizer, interval=scenario.INTERVAL,
+        ddp, optimizer, interval=scenario.INTERVAL,
         checkpoint=scenario.checkpoint_config(paths["gemini"], run_id=f"demo-{args.label}"),
         replay=scenario.replay_config(),
         orchestration=OrchestrationHooks(report_fault=report_fault, report_recovery=report_recovery))
+    scenario.register_traced_allreduce(ddp)
     manager = session.manager
     events.write("resumed", step=session.step_count, recovered_from=session.recovered_from,
                  sources=dict(getattr(manager, "recovery_sources", {}) or {}))
 
     faults = None
     if args.campaign:
+        # The DDP wrapper, like enable_resiliency: the kit's per-iteration faults then strike before
+        # GEMINI issues the previous step's capture, as they would on an unwrapped model.
         faults = enable_fault_injection(
-            model, optimizer, campaign=scenario.build_campaign(), rank=rank, world_size=world,
+            ddp, optimizer, campaign=scenario.build_campaign(), rank=rank, world_size=world,
             executor=scenario.executor(paths["gemini"]),
             state_store=JsonCampaignStateStore(paths["state"]), journal=CampaignJournal(paths["journal"]),
             start_iteration=session.step_count, generation=str(gen), sandbox_dir=paths["sandbox"])
@@ -140,11 +142,8 @@ def _train(args, events: EventLog) -> int:
     finished = True
     for step in range(session.step_count + 1, args.steps + 1):
         x, y = scenario.batch(step, rank)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        for param in model.parameters():       # data parallel: average gradients, one fixed order
-            dist.all_reduce(param.grad)
-            param.grad /= world
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()                        # DDP averages the gradients
         optimizer.step()                       # SCOUT checks before it, GEMINI captures after it
         optimizer.zero_grad(set_to_none=True)
         events.write("step", step=step, loss=loss.item())

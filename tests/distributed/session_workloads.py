@@ -18,11 +18,7 @@ from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
 
 class Net(nn.Module):
-    """Parameters are registered in the order backward produces their gradients (head first).
-    DDP's reducer re-orders its gradient buckets into backward order after its first iteration;
-    with this registration order that re-ordering is a no-op, so a restarted DDP (whose first
-    iteration uses registration order) sums gradients in the same order as an uninterrupted
-    one and the comparison can be bitwise. See docs/api.md, "DDP and bitwise resume"."""
+    """Two bias-free layers, head registered first."""
 
     def __init__(self):
         super().__init__()
@@ -32,6 +28,24 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(self.drop(torch.tanh(self.body(x))))
+
+
+class ForwardNet(nn.Module):
+    """The ordinary layout: a ModuleList of layers, then a head, registered in forward order. With a
+    small `bucket_cap_mb` DDP spreads it over several gradient buckets; `unused` takes no part in
+    the loss (for find_unused_parameters=True)."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 8)
+        self.unused = nn.Linear(32, 32) if unused else None
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return self.head(x)
 
 
 class Stack(nn.Module):
@@ -57,15 +71,16 @@ def batch(step, rank, features):
     return x + float(np.random.rand()) * 1e-3 + random.random() * 1e-3
 
 
-def build(kind, rank):
+def build(kind, rank, ddp_options=None):
     torch.manual_seed(0)
     np.random.seed(rank)
     random.seed(rank)
-    if kind == "ddp":
+    if kind in ("ddp", "ddp_forward"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = Net()
-        return model, DDP(model), 32
+        options = dict(ddp_options or {})
+        model = Net() if kind == "ddp" else ForwardNet(unused=options.get("find_unused_parameters", False))
+        return model, DDP(model, **options), 32
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -96,12 +111,30 @@ def final_state(model, optimizer, scheduler, counter):
     }
 
 
-def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None):
-    """Train with lm-resiliency attached. Returns (resumed step, final state)."""
-    model, wrapped, features = build(kind, rank)
+def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None, options=None):
+    """Train with lm-resiliency attached. Returns (resumed step, final state).
+
+    `options` (all optional): "ddp" (DistributedDataParallel keyword arguments), "accumulate"
+    (micro-batches per step, all but the last under `no_sync()`), "stop" at `kill_after`: "kill_all"
+    (default: flush, then every rank SIGKILLed), "kill_one" (rank 1 SIGKILLed, the others end without
+    closing), "graceful" (`flush_for_restart()`, `close()`, exit); "shm_only" (no disk: slots in
+    shared memory under `folder`), "replication_jump", "pin" (False: DDP's bucket layout is not
+    pinned, adapters/_ddp_compat.py)."""
+    options = dict(options or {})
+    if not options.get("pin", True):
+        from lm_resiliency.adapters import _ddp_compat
+
+        _ddp_compat._ENABLED = False
+    model, wrapped, features = build(kind, rank, options.get("ddp"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     counter = {"samples": 0}
+    accumulate = options.get("accumulate", 1)
+    stop = options.get("stop", "kill_all")
+    storage = (dict(disk_flush_interval=0, disk_folder=os.path.join(folder, "disk")) if options.get("shm_only")
+               else dict(disk_folder=folder, disk_flush_interval=2))
+    if options:
+        storage["shared_memory_dir"] = os.path.join(folder, "shm")  # what a kill leaves stays in the test
 
     def load_fallback():
         if fallback_log is not None:
@@ -110,22 +143,38 @@ def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None):
 
     session = enable_resiliency(
         wrapped, optimizer, scheduler=scheduler, interval=2,
-        checkpoint=InMemoryCkptConfig(disk_folder=folder, disk_flush_interval=2, run_id=f"{kind}-test",
-                                      replication_jump=1, timeout_s=60),
+        checkpoint=InMemoryCkptConfig(run_id=f"{kind}-test", replication_jump=options.get("replication_jump", 1),
+                                      timeout_s=60, **storage),
         extra_state_fn=lambda: {"counter": dict(counter)},
         load_extra_state_fn=lambda extra: counter.update(extra["counter"]),
         load_fallback=load_fallback,
     )
     resumed = session.step_count
     for step in range(session.step_count, steps):
-        loss = wrapped(batch(step, rank, features)).pow(2).mean()
-        loss.backward()
+        for micro in range(accumulate):
+            x = batch(step * accumulate + micro, rank, features)
+            if micro + 1 < accumulate:
+                with wrapped.no_sync():
+                    wrapped(x).pow(2).mean().backward()
+            else:
+                wrapped(x).pow(2).mean().backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         counter["samples"] += 8
         if kill_after is not None and step + 1 == kill_after:
-            session.flush_for_restart()  # the capture of the previous interval is on disk
+            if stop == "graceful":
+                session.flush_for_restart()
+                session.close()
+                return None
+            if stop == "kill_one":
+                session.manager._drain()  # the last capture is replicated before the kill
+                dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return None
+            if not options.get("shm_only"):
+                session.flush_for_restart()  # the capture of the previous interval is on disk
             session.manager._drain()
             os.kill(os.getpid(), signal.SIGKILL)
     result = final_state(model, optimizer, scheduler, counter)

@@ -25,10 +25,7 @@ SAMPLES = 40  # both ranks together
 
 
 class Net(nn.Module):
-    """Parameters are registered in the order backward produces their gradients (head first), so
-    DDP's first-iteration bucket order (registration order) equals its rebuilt order (backward
-    order) and a restarted DDP sums gradients exactly as an uninterrupted one; see the `Net`
-    docstring in tests/distributed/session_workloads.py and docs/api.md "DDP and bitwise resume"."""
+    """Two bias-free layers, head registered first."""
 
     def __init__(self):
         super().__init__()
@@ -40,24 +37,44 @@ class Net(nn.Module):
         return self.head(self.drop(torch.tanh(self.body(x))))
 
 
-def dataset():
+class ForwardNet(nn.Module):
+    """The ordinary layout: layers then a head, registered in forward order; with
+    `bucket_cap_mb=0.002` its gradients span three DDP buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(FEATURES, FEATURES) for _ in range(3)])
+        self.head = nn.Linear(FEATURES, 4)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return self.head(x)
+
+
+def dataset(samples=SAMPLES):
     g = torch.Generator().manual_seed(1234)
-    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g),
-                                          torch.randn(SAMPLES, 4, generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(samples, FEATURES, generator=g),
+                                          torch.randn(samples, 4, generator=g))
 
 
-def build(accum):
-    """The user's setup: seeds, Accelerator, model, optimizer, shuffled loader, scheduler, prepare()."""
+def build(accum, forward=False):
+    """The user's setup: seeds, Accelerator, model, optimizer, shuffled loader, scheduler, prepare().
+    `forward`: ForwardNet over several DDP buckets, SAMPLES/2 samples per process at any world size."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
     np.random.seed(rank)
     random.seed(rank)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
-    model = Net()
+    handlers = [DistributedDataParallelKwargs(bucket_cap_mb=0.002)] if forward else []
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
+    model = ForwardNet() if forward else Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=True)
+    samples = SAMPLES // 2 * accelerator.num_processes if forward else SAMPLES
+    loader = torch.utils.data.DataLoader(dataset(samples), batch_size=4, shuffle=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
 
@@ -91,15 +108,20 @@ def final_state(accelerator, model, optimizer, scheduler, loader):
 
 
 def train_with_plugin(rank, world, folder, run_id, epochs=3, accum=2, kill_after=None,
-                      resume_dataloaders="auto", entry_point=False):
+                      resume_dataloaders="auto", entry_point=False, forward=False):
     """ResiliencyPlugin attached after prepare() (`entry_point=True`: through
     lm_resiliency.integrations.accelerate.enable_resiliency instead). Returns (resumed step, captured
-    steps, batches this process consumed, final state)."""
+    steps, batches this process consumed, final state). `forward`: see `build`; LMR_TEST_DDP_PIN=0
+    switches off the DDP bucket pin (adapters/_ddp_compat.py), to show what it prevents."""
     from lm_resiliency import InMemoryCkptConfig
     from lm_resiliency.callbacks.accelerate import ResiliencyPlugin, get_session
     from lm_resiliency.integrations.accelerate import enable_resiliency
 
-    accelerator, model, optimizer, loader, scheduler = build(accum)
+    if os.environ.get("LMR_TEST_DDP_PIN") == "0":
+        from lm_resiliency.adapters import _ddp_compat
+
+        _ddp_compat._ENABLED = False
+    accelerator, model, optimizer, loader, scheduler = build(accum, forward)
     settings = dict(
         interval=2, resume_dataloaders=resume_dataloaders,
         # A private host-slot directory: GEMINI reaps dead runs' slots in its directory, and other
@@ -212,8 +234,9 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--crash-after-steps", type=int, default=None, help="simulate a crash (SIGKILL)")
+    parser.add_argument("--forward", action="store_true", help="ForwardNet over several DDP buckets")
     args = parser.parse_args(argv)
-    accelerator, model, optimizer, loader, scheduler = build(args.accum)
+    accelerator, model, optimizer, loader, scheduler = build(args.accum, args.forward)
     steps = batches = 0
     for epoch in range(args.epochs):
         for x, y in loader:
@@ -241,6 +264,10 @@ def run_script(rank, world, argv):
 
     from lm_resiliency.callbacks import accelerate as bootstrap
 
+    if os.environ.get("LMR_TEST_DDP_PIN") == "0":
+        from lm_resiliency.adapters import _ddp_compat
+
+        _ddp_compat._ENABLED = False
     bootstrap.main([os.path.abspath(__file__), *argv])
     atexit._run_exitfuncs()
 

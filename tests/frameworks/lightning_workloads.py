@@ -50,11 +50,7 @@ class Recipe(L.LightningModule):
 
 
 class Net(Recipe):
-    """Bias-free layers registered head first, i.e. in the order backward produces their
-    gradients. DDP buckets gradients in registration order in its first iteration and in
-    backward order afterwards; with this order both agree, so a restarted DDP run (whose first
-    iteration uses registration order) sums gradients exactly like an uninterrupted one and
-    the comparison can be bitwise (docs/api.md, "DDP and bitwise resume")."""
+    """Two bias-free layers, head registered first."""
 
     def __init__(self, samples: int = 64) -> None:
         super().__init__(samples)
@@ -64,6 +60,22 @@ class Net(Recipe):
 
     def forward(self, x):
         return self.head(self.drop(torch.tanh(self.body(x))))
+
+
+class ForwardNet(Recipe):
+    """The ordinary layout: layers then a head, registered in forward order. Under
+    `DDPStrategy(bucket_cap_mb=0.002)` its gradients span three DDP buckets."""
+
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__(samples)
+        self.layers = nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)])
+        self.head = nn.Linear(32, 4)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return self.head(x)
 
 
 class ManualNet(Net):
@@ -117,10 +129,23 @@ def final_state(trainer: Any, model: Net) -> Dict[str, Any]:
 
 def fit_ddp(rank: int, world: int, folder: str, max_steps: int, *, accumulate: int = 1,
             kill_at: Optional[int] = None, resilient: bool = True, interval: int = 2,
-            run_id: str = "lightning-ddp", strategy: str = "ddp", manual: bool = False) -> Dict[str, Any]:
-    """One `trainer.fit` on this rank. Returns the recovered step, the data seen and the final state."""
+            run_id: str = "lightning-ddp", strategy: Any = "ddp", manual: bool = False,
+            forward: bool = False) -> Dict[str, Any]:
+    """One `trainer.fit` on this rank. Returns the recovered step, the data seen and the final state.
+    `forward`: ForwardNet over several DDP buckets. LMR_TEST_DDP_PIN=0 switches off the DDP bucket
+    pin (adapters/_ddp_compat.py), to show what it prevents."""
     L.seed_everything(0, verbose=False)
-    model = ManualNet() if manual else Net()
+    if os.environ.get("LMR_TEST_DDP_PIN") == "0":
+        from lm_resiliency.adapters import _ddp_compat
+
+        _ddp_compat._ENABLED = False
+    if forward:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        model: Recipe = ForwardNet()
+        strategy = DDPStrategy(bucket_cap_mb=0.002)
+    else:
+        model = ManualNet() if manual else Net()
     callbacks: List[Callback] = []
     callback = None
     if resilient:
@@ -138,14 +163,17 @@ def fit_ddp(rank: int, world: int, folder: str, max_steps: int, *, accumulate: i
 
 
 def kill_then_resume_and_baseline(rank: int, world: int, folder: str, max_steps: int, accumulate: int,
-                                  phase: str, manual: bool = False) -> Any:
+                                  phase: str, manual: bool = False, forward: bool = False) -> Any:
     """phase 'kill': train with the callback and die at step 7. phase 'resume': resume the same run
-    to completion, then (same processes) run an uninterrupted baseline without lm-resiliency."""
+    to completion, then (same processes) run an uninterrupted baseline: without lm-resiliency, or,
+    for `forward` (3+ ranks, where DDP's bucket layout shows in the last bits), with it, since
+    attaching fixes the layout from the first step (docs/frameworks.md, "DDP and bitwise resume")."""
+    kw = dict(accumulate=accumulate, manual=manual, forward=forward)
     if phase == "kill":
-        return fit_ddp(rank, world, folder, max_steps, accumulate=accumulate, kill_at=7, manual=manual)
-    resumed = fit_ddp(rank, world, folder, max_steps, accumulate=accumulate, manual=manual)
-    baseline = fit_ddp(rank, world, os.path.join(folder, "baseline"), max_steps, accumulate=accumulate,
-                       resilient=False, manual=manual)
+        return fit_ddp(rank, world, folder, max_steps, kill_at=7, **kw)
+    resumed = fit_ddp(rank, world, folder, max_steps, **kw)
+    baseline = fit_ddp(rank, world, os.path.join(folder, "baseline"), max_steps, resilient=forward,
+                       run_id="lightning-ddp-baseline", **kw)
     return resumed, baseline
 
 

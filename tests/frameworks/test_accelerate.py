@@ -46,19 +46,29 @@ def test_explicit_entry_point_resumes_bitwise(tmp_path):
     _kill_and_resume(tmp_path, 5, 4, 8, "auto", entry_point=True)
 
 
-def _kill_and_resume(tmp_path, kill_after, resumed_at, batches_left, mode, entry_point):
-    baseline = run_ranks(train_with_plugin, 2, str(tmp_path / "baseline"), _run_id("base"), 3, 2, None, mode,
-                         timeout=60)
-    for rank in range(2):
+@pytest.mark.timeout(240)
+def test_four_ranks_forward_order_model_resumes_bitwise(tmp_path):
+    """MULTI_CPU on 4 ranks (3+ show DDP's bucket layout in the last bits), layers registered in
+    forward order over three DDP buckets: the plugin finds Accelerate's DDP wrapper and pins its layout,
+    so the resumed run is exact (with LMR_TEST_DDP_PIN=0 it is not)."""
+    _kill_and_resume(tmp_path, 5, 4, 8, "auto", entry_point=False, world=4, forward=True)
+
+
+def _kill_and_resume(tmp_path, kill_after, resumed_at, batches_left, mode, entry_point, world=2, forward=False):
+    timeout = 60 * world // 2
+    baseline = run_ranks(train_with_plugin, world, str(tmp_path / "baseline"), _run_id("base"), 3, 2, None, mode,
+                         False, forward, timeout=timeout)
+    for rank in range(world):
         # One capture per applied optimizer step that is due, never per micro-batch.
         assert baseline[rank]["captured"] == [2, 4, 6, 8]
         assert (baseline[rank]["resumed"], baseline[rank]["steps"], baseline[rank]["batches"]) == (0, 9, 15)
     folder, run_id = str(tmp_path / "managed"), _run_id("kill")
-    killed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, kill_after, mode, entry_point, timeout=60,
-                       check=False)
-    assert [o.killed_by for o in killed] == [9, 9], [o.error for o in killed]
-    resumed = run_ranks(train_with_plugin, 2, folder, run_id, 3, 2, None, mode, entry_point, timeout=60)
-    for rank in range(2):
+    killed = run_ranks(train_with_plugin, world, folder, run_id, 3, 2, kill_after, mode, entry_point, forward,
+                       timeout=timeout, check=False)
+    assert [o.killed_by for o in killed] == [9] * world, [o.error for o in killed]
+    resumed = run_ranks(train_with_plugin, world, folder, run_id, 3, 2, None, mode, entry_point, forward,
+                        timeout=timeout)
+    for rank in range(world):
         assert resumed[rank]["resumed"] == resumed_at
         assert resumed[rank]["batches"] == batches_left  # the data position resumed, not the epoch start
         assert resumed[rank]["captured"] == [s for s in (2, 4, 6, 8) if s > resumed_at]
@@ -144,6 +154,26 @@ def test_flag_enables_unchanged_script_and_is_inert_when_unset(tmp_path):
         strip = ("batches", "patched_prepare", "lm_resiliency_imported")
         assert_same({k: v for k, v in on.items() if k not in strip},
                     {k: v for k, v in off[rank].items() if k not in strip})
+
+
+@pytest.mark.timeout(240)
+def test_flag_four_ranks_forward_order_model_resumes_bitwise(tmp_path):
+    """The flag pins DDP's bucket layout when prepare() returns (a first model forward that attaches
+    would be too late): on 4 ranks a crashed run resumes exactly like an uninterrupted flag run."""
+    env = {"LM_RESILIENCY": "1", "LM_RESILIENCY_INTERVAL": "2", "LM_RESILIENCY_DIR": str(tmp_path / "ckpt"),
+           "LM_RESILIENCY_DISK_FLUSH_INTERVAL": "2", "LM_RESILIENCY_RUN_ID": _run_id("flag4"),
+           "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm"), "LM_RESILIENCY_DETECTION": "0"}
+    base_env = dict(env, LM_RESILIENCY_DIR=str(tmp_path / "base"), LM_RESILIENCY_RUN_ID=_run_id("flag4-base"))
+    run_ranks(run_script, 4, ["--out", str(tmp_path / "uninterrupted"), "--forward"], env=base_env, timeout=120)
+    crashed = run_ranks(run_script, 4, ["--out", str(tmp_path / "crashed"), "--forward", "--crash-after-steps", "5"],
+                        env=env, timeout=120, check=False)
+    assert [o.killed_by for o in crashed] == [9] * 4, [o.error for o in crashed]
+    run_ranks(run_script, 4, ["--out", str(tmp_path / "resumed"), "--forward"], env=env, timeout=120)
+    for rank in range(4):
+        resumed, uninterrupted = (_load(tmp_path / run / f"rank{rank}.pt") for run in ("resumed", "uninterrupted"))
+        assert (resumed["batches"], uninterrupted["batches"]) == (8, 15)
+        assert_same({k: v for k, v in resumed.items() if k != "batches"},
+                    {k: v for k, v in uninterrupted.items() if k != "batches"}, f"rank {rank}")
 
 
 def test_flag_under_torchrun_launcher(tmp_path):

@@ -64,6 +64,19 @@ def test_ddp_sigkill_resumes_bitwise_equal_to_uninterrupted(tmp_path):
     assert results[0][0]["state"]["epoch"] == results[0][1]["state"]["epoch"] == 2
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_ddp_four_ranks_forward_order_model_sigkill_resumes_bitwise_equal(tmp_path, accumulate):
+    """4 ranks (3+ show DDP's bucket layout in the last bits), layers registered in forward order over
+    three buckets: the layout lm-resiliency pins at on_fit_start makes the resumed run exact (with
+    LMR_TEST_DDP_PIN=0 it is not)."""
+    from tests.frameworks.lightning_workloads import kill_then_resume_and_baseline
+
+    results = _kill_then_resume(kill_then_resume_and_baseline, 4, str(tmp_path), 10, accumulate,
+                                timeout=200, after=(False, True))
+    _check_resumed_like_uninterrupted(results)
+
+
 @pytest.mark.timeout(180)
 def test_ddp_gradient_accumulation_sigkill_resumes_bitwise_equal(tmp_path):
     from tests.frameworks.lightning_workloads import kill_then_resume_and_baseline
