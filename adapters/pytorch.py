@@ -164,8 +164,11 @@ class PyTorchAdapter(FrameworkAdapter):
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
-        if self.module is not model:
-            pin_bucket_layout(model)  # DDP: one gradient bucket layout for fresh and resumed runs
+        from torch.nn.parallel import DistributedDataParallel
+
+        for wrapper in _wrapper_chain(model):  # DDP may sit inside or outside torch.compile
+            if isinstance(wrapper, DistributedDataParallel):
+                pin_bucket_layout(wrapper)  # one gradient bucket layout for fresh and resumed runs
 
     # --------------------------------------------------------------- topology
 
