@@ -160,10 +160,7 @@ def train(args: argparse.Namespace) -> None:
     amp = args.dtype != "float32"
     # fp16 needs loss scaling; a disabled scaler passes every call through.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, enabled=args.dtype == "float16")
-    # find_unused_parameters=True: DDP then keeps its first-iteration gradient bucket layout for the
-    # whole run, so a relaunched run sums gradients in the same order as an uninterrupted one (see
-    # docs/porting.md, "DDP and bitwise resume").
-    ddp_model = DDP(model, find_unused_parameters=True)
+    ddp_model = DDP(model)  # enable_resiliency pins its gradient bucket layout (docs/porting.md, section 8)
 
     def save_checkpoint(it: int) -> None:  # the script's own durable checkpoint
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
