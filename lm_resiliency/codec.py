@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency._values import is_int as _is_int
+
 ALIGNMENT = 64
 
 _DTYPES: Dict[str, torch.dtype] = {
@@ -140,10 +142,6 @@ class EncodedState:
 
     structure: Any
     tensors: List[torch.Tensor]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _local_tensor(value: torch.Tensor) -> Tuple[torch.Tensor, Optional[dict]]:

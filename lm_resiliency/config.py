@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from lm_resiliency._values import is_int as _is_int
+
 _MIB = 1024 * 1024
 
 
@@ -20,10 +22,6 @@ class ConfigError(ValueError):
 def _require(condition: bool, cls: str, field: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{cls}.{field}: {message}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

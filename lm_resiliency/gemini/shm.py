@@ -63,6 +63,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
@@ -178,10 +179,6 @@ def _loads(data: bytes) -> Any:
 
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _slot_crc(doc: dict, payload: torch.Tensor) -> int:

@@ -48,6 +48,7 @@ from typing import Any, List, Optional, Set
 
 import torch
 
+from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
 
 from lm_resiliency.codec import Layout, StateSchemaError
@@ -83,10 +84,6 @@ class ShardRejected(Exception):
 
 class StatusRejected(Exception):
     """A status sidecar is persistently malformed or belongs to another run, topology or rank."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
