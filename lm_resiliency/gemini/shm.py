@@ -767,7 +767,7 @@ class SharedSlotArena:
 
     def _read_owner(self, dir_fd: int, path: str) -> Optional[dict]:
         try:
-            fd = os.open(OWNER_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
         except OSError:
             return None
         try:
@@ -884,7 +884,8 @@ class SharedSlotArena:
             return None
         _check_private(st, what, path, self._uid, directory=False)
         try:
-            fd = os.open(name, mode | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
+            # O_NONBLOCK: a FIFO swapped in after the stat is opened without waiting, then refused.
+            fd = os.open(name, mode | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -893,6 +894,7 @@ class SharedSlotArena:
             raise
         try:
             _check_private(os.fstat(fd), what, path, self._uid, directory=False)
+            os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
             raise
