@@ -238,8 +238,8 @@ def _zip_refusal(f: BinaryIO) -> Optional[str]:
         with zipfile.ZipFile(f) as archive:
             entries = archive.infolist()
     except Exception as exc:  # noqa: BLE001 - zipfile raises many types for a corrupt directory
-        return (f"not a torch zip archive as every GEMINI shard is (truncated or corrupt, or another "
-                f"format; it is never unpickled): {_summarize(exc)}")
+        return (f"not a readable torch file (truncated or corrupt, or not the zip archive every GEMINI "
+                f"shard is; it is never unpickled): {_summarize(exc)}")
     finally:
         f.seek(0)
     if len(entries) > _MAX_ZIP_ENTRIES:
@@ -542,7 +542,11 @@ class NodeLocalStore:
         try:
             atomic_write(final, write, temp_name=self._temp_name(final_name))
         except OSError as exc:
-            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}", final) from exc
+            hint = ""
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                hint = ("; the node-local disk is full or read-only: free space there or point "
+                        "InMemoryCkptConfig.disk_folder at a writable local disk")
+            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}{hint}", final) from exc
         except RuntimeError as exc:  # torch's zip writer reports write failures this way
             raise OSError(errno.EIO, f"publishing GEMINI file failed: {exc}", final) from exc
 
