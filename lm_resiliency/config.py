@@ -88,7 +88,7 @@ class InMemoryCkptConfig:
                  f"must be None (default /dev/shm/lm-resiliency-<uid>) or a non-empty path, "
                  f"got {self.shared_memory_dir!r}")
         _require(is_seconds(self.timeout_s), name, "timeout_s",
-                 f"must be a positive number of seconds of at most {MAX_SECONDS:g}, got {self.timeout_s!r}")
+                 f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}, got {self.timeout_s!r}")
 
 
 def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptConfig], replay: Any,

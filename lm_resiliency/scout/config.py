@@ -69,11 +69,11 @@ class ReplayHarnessConfig:
         require(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < float("inf"),
                 "straggler_min_ratio", "must be a finite number > 1")
         require(is_seconds(self.straggler_min_margin_s, allow_zero=True), "straggler_min_margin_s",
-                f"must be a number of seconds >= 0 and at most {MAX_SECONDS:g}")
+                f"must be a finite number >= 0, at most {MAX_SECONDS:g}")
         for field in ("hang_stall_threshold_s", "dataloader_stall_threshold_s", "checkpoint_io_stall_threshold_s",
                       "monitor_poll_interval_s", "full_sweep_timeout_s"):
             require(is_seconds(getattr(self, field)), field,
-                    f"must be a positive number of seconds of at most {MAX_SECONDS:g}")
+                    f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}")
         require(is_int(self.seed), "seed", "must be an int")
 
     def interval_for(self, check: str) -> int:
