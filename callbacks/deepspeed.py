@@ -167,9 +167,13 @@ class DeepSpeedEngineHooks:
         its threads first, while the process groups still exist."""
         original = self._original_destroy
         session = self.adapter.session
-        if session is not None:
-            session.close()  # removes these hooks too
-        return original(*args, **kwargs)
+        if session is None:
+            return original(*args, **kwargs)
+        try:
+            session.close()  # removes these hooks too; raises if the final flush failed
+        finally:
+            result = original(*args, **kwargs)
+        return result
 
     # ----------------------------------------------------------------- remove
 

@@ -17,7 +17,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency._values import is_int as _is_int
+
 ALIGNMENT = 64
+# Containers (dict/list/tuple) nested deeper than this are refused at capture: each level is three
+# JSON levels in the structure, which must stay within what readers accept (files.MAX_JSON_DEPTH).
+MAX_STATE_DEPTH = 64
 
 _DTYPES: Dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -38,6 +43,10 @@ _PLAIN_KEYS = (str, int)
 
 class StateEncodingError(TypeError):
     """A value in the state cannot be captured safely (no pickle fallback exists)."""
+
+
+class StateTooDeepError(StateEncodingError, ValueError):
+    """The state nests containers deeper than `MAX_STATE_DEPTH`; refused at capture, never at load."""
 
 
 class StateSchemaError(ValueError):
@@ -142,10 +151,6 @@ class EncodedState:
     tensors: List[torch.Tensor]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _local_tensor(value: torch.Tensor) -> Tuple[torch.Tensor, Optional[dict]]:
     """DTensors are captured as their local shard plus enough metadata to check the restore."""
     to_local = getattr(value, "to_local", None)
@@ -165,6 +170,10 @@ def encode_state(state: Any) -> EncodedState:
     def where() -> str:
         return "state" + "".join(f"[{k!r}]" for k in keys)
 
+    def too_deep() -> StateTooDeepError:
+        return StateTooDeepError(f"{where()}: the state nests dicts/lists/tuples deeper than "
+                                 f"{MAX_STATE_DEPTH} levels, the most GEMINI captures; flatten it")
+
     def enc(value: Any) -> Any:
         kind = type(value)
         if kind is torch.Tensor or isinstance(value, torch.Tensor):
@@ -181,6 +190,8 @@ def encode_state(state: Any) -> EncodedState:
         if kind in _PLAIN_SCALARS or value is None:
             return value
         if kind is dict or isinstance(value, dict):
+            if len(keys) >= MAX_STATE_DEPTH:
+                raise too_deep()
             items = []
             for key, item in value.items():
                 if type(key) not in _PLAIN_KEYS and not (key is None or isinstance(key, (str, bool, float))
@@ -192,6 +203,8 @@ def encode_state(state: Any) -> EncodedState:
                 keys.pop()
             return {"t": "dict", "items": items}
         if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+            if len(keys) >= MAX_STATE_DEPTH:
+                raise too_deep()
             encoded = []
             for index, item in enumerate(value):
                 keys.append(index)

@@ -4,14 +4,21 @@ parser of the `LM_RESILIENCY*` environment and its policy files (`ResiliencyPoli
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
+import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, Mapping, Optional, Tuple
+
+from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.files import loads_strict_json
 
 _MIB = 1024 * 1024
 DEFAULT_REAP_OTHER_RUNS_AFTER_S = 24 * 3600.0
+# The longest wait every consumer of a time value accepts: threading waits (TIMEOUT_MAX) and
+# datetime.timedelta (process-group and collective timeouts). Longer values overflow later.
+MAX_SECONDS = float(min(threading.TIMEOUT_MAX, timedelta.max.total_seconds()))
 
 
 class ConfigError(ValueError):
@@ -23,8 +30,11 @@ def _require(condition: bool, cls: str, field: str, message: str) -> None:
         raise ConfigError(f"{cls}.{field}: {message}")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_seconds(value: object, *, allow_zero: bool = False) -> bool:
+    """A real number of seconds that every wait accepts: finite, > 0 (>= 0 with `allow_zero`)
+    and at most MAX_SECONDS."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -87,9 +97,8 @@ class InMemoryCkptConfig:
                  name, "shared_memory_dir",
                  f"must be None (default /dev/shm/lm-resiliency-<uid>) or a non-empty path, "
                  f"got {self.shared_memory_dir!r}")
-        _require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
-                 and math.isfinite(self.timeout_s) and self.timeout_s > 0, name, "timeout_s",
-                 f"must be a positive, finite number of seconds, got {self.timeout_s!r}")
+        _require(is_seconds(self.timeout_s), name, "timeout_s",
+                 f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}, got {self.timeout_s!r}")
         _require(isinstance(self.reap_other_runs_after_s, (int, float))
                  and not isinstance(self.reap_other_runs_after_s, bool)
                  and not math.isnan(self.reap_other_runs_after_s) and self.reap_other_runs_after_s >= 0,
@@ -127,6 +136,10 @@ POLICY_SCHEMA_VERSION = 1
 # What Accelerate's prepared dataloaders do after a recovery (see lm_resiliency.adapters.accelerate).
 DATALOADER_RESUME_MODES = ("auto", "continue", "manual")
 ENABLE_ENV = "LM_RESILIENCY"
+# A policy file needs two levels (a table of tables); anything much deeper is not a policy.
+_MAX_POLICY_DEPTH = 16
+# Integer variables: ASCII digits only (int() also takes '1_000' and other scripts' digits), bounded.
+_MAX_ENV_DIGITS = 9
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
@@ -246,29 +259,37 @@ class ResiliencyPolicy:
     def from_file(cls, path: str) -> "ResiliencyPolicy":
         """A policy file: `schema_version = 1` and any of `SETTINGS_KEYS` (see `read_settings`)."""
         if not os.path.isfile(path):
+            problem = "it is not a regular file" if os.path.exists(path) else "no such file exists"
             raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
-                              "and no such file exists")
+                              f"and {problem}")
         where = f"policy file {path}"
         kind = os.path.splitext(path)[1].lower()
         if kind not in (".toml", ".json"):
             raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
         try:
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot be read: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{where}: not UTF-8 text: {exc}") from None
+        try:
             if kind == ".toml":
                 import tomllib
 
-                with open(path, "rb") as f:
-                    data = tomllib.load(f)
+                data = tomllib.loads(text)
             else:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
+                data = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
+        except RecursionError:  # tomllib recurses per nested array/inline table
+            raise ConfigError(f"{where}: nested too deeply to be a policy file") from None
         except ImportError:
             raise ConfigError(f"{where}: TOML needs Python 3.11+ (tomllib); write the policy as .json") from None
-        except ValueError as exc:  # TOMLDecodeError and JSONDecodeError
+        except ValueError as exc:  # TOMLDecodeError, JSONDecodeError, duplicate keys, NaN, nesting
             raise ConfigError(f"{where}: not valid {kind[1:].upper()}: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: expected a table/object at the top level")
         version = data.get("schema_version")
-        if version != POLICY_SCHEMA_VERSION or isinstance(version, bool):
+        if not _is_int(version) or version != POLICY_SCHEMA_VERSION:
             raise ConfigError(f"{where}: schema_version: expected {POLICY_SCHEMA_VERSION}, got "
                               f"{'nothing' if version is None else repr(version)}")
         settings = {k: v for k, v in data.items() if k != "schema_version"}
@@ -289,10 +310,7 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> Optional[int]:
     text = env.get(name, "").strip()
     if not text:
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum}")
-    return value
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_ENV_DIGITS) or int(text) < minimum:
+        raise ConfigError(f"{name}={text!r}: expected an integer >= {minimum} of at most {_MAX_ENV_DIGITS} "
+                          "ASCII digits")
+    return int(text)

@@ -7,7 +7,9 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
+from itertools import accumulate
 from typing import Any, BinaryIO, Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,31 @@ def _no_duplicate_keys(pairs: list) -> dict:
     return out
 
 
-def loads_strict_json(text: str) -> Any:
-    """`json.loads` that refuses NaN/Infinity constants and duplicate keys (ValueError)."""
+# Deepest nesting of arrays/objects any record may have. Python's decoder recurses once per level
+# and raises RecursionError near 1000 (less in a deep call stack), so a crafted file must be refused
+# before it is parsed. What GEMINI writes stays far below (codec.MAX_STATE_DEPTH).
+MAX_JSON_DEPTH = 256
+
+# A JSON string, or an unterminated one up to the end: linear, never backtracks.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_nesting(text: str) -> int:
+    """How deeply arrays/objects nest in `text`, without parsing it (no recursion). Brackets inside
+    strings do not count; for malformed text the result is at least the depth a parser reaches
+    before it fails."""
+    skeleton = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(0, max(accumulate(map(_BRACKET_STEP.__getitem__, skeleton)), default=0))
+
+
+def loads_strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads` that refuses NaN/Infinity constants, duplicate keys and arrays/objects nested
+    deeper than `max_depth` (ValueError in every case)."""
+    depth = json_nesting(text)
+    if depth > max_depth:
+        raise ValueError(f"JSON nested {depth} levels deep; at most {max_depth} are accepted")
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 
 

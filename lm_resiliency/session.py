@@ -148,7 +148,10 @@ class ResiliencySession:
             adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
                                           self._before_forward, self._skipped_optimizer_step))
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the construction error is the one to raise
+                logger.exception("lm-resiliency: close() after a failed start also failed")
             raise
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -478,28 +481,40 @@ class ResiliencySession:
 
     def close(self) -> None:
         """Complete the pending capture, stop background work, remove hooks. Idempotent; also runs
-        at interpreter exit."""
+        at interpreter exit.
+
+        If the last capture or its flush failed (e.g. the node-local disk is full or read-only),
+        the error is raised here once teardown is complete, so a run never ends as if its final
+        state were saved; the error names the file."""
         if self._closed:
             return
         self._closed = True
+        failure: Optional[Exception] = None
         try:
             if self.manager is not None and dist.is_initialized() == (self.manager.world_size > 1):
                 self._finish_pending_capture()
                 self.manager.maybe_wait()
-        except Exception:  # noqa: BLE001 - teardown must continue; the error is logged
-            logger.exception("lm-resiliency: could not complete the last capture at close()")
+        except Exception as exc:  # noqa: BLE001 - teardown must continue; raised at the end
+            failure = exc
         finally:
             self.adapter.remove()
             if self.scout is not None:
                 self.scout.close()
             if self.manager is not None:
-                self.manager.close()
+                try:
+                    self.manager.close()
+                except Exception as exc:  # noqa: BLE001 - raised at the end, after the groups
+                    if failure is not None:
+                        logger.error("lm-resiliency: closing GEMINI also failed: %s", exc)
+                    failure = failure or exc
             if self._agreement_group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(self._agreement_group)
                 except (RuntimeError, ValueError) as exc:
                     logger.debug("lm-resiliency: agreement group already gone: %s", exc)
             self._agreement_group = None
+        if failure is not None:
+            raise failure
 
 
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:
@@ -526,4 +541,8 @@ def _as_hooks(orchestration: Any) -> Optional[OrchestrationHooks]:
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:
     session = ref()
     if session is not None:
-        session.close()
+        try:
+            session.close()
+        except Exception:  # noqa: BLE001 - nobody is left to raise it to
+            logger.exception("lm-resiliency: close() at interpreter exit failed; the last capture or "
+                             "flush may be missing")

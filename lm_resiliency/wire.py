@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.files import MAX_JSON_DEPTH, json_nesting
 from lm_resiliency.tensor_bytes import tensor_bytes
 
 
@@ -18,7 +19,13 @@ def encode_json(value: Any) -> torch.Tensor:
 
 
 def decode_json(data: torch.Tensor) -> Any:
-    return json.loads(tensor_bytes(data).decode("utf-8"))
+    """The JSON document in `data`; ValueError if it is not UTF-8 JSON or nests deeper than
+    `files.MAX_JSON_DEPTH` (a peer's document never crashes the parser with RecursionError)."""
+    text = tensor_bytes(data).decode("utf-8")
+    depth = json_nesting(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"received JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+    return json.loads(text)
 
 
 _FIRST_ROUND_BYTES = 16384  # most agreement documents fit: one collective instead of two

@@ -13,6 +13,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterable, Mapping, Tuple, Type, TypeVar
 
+from lm_resiliency._values import is_int
 from lm_resiliency.files import loads_strict_json
 
 from .errors import CampaignSchemaError
@@ -21,10 +22,6 @@ T = TypeVar("T")
 E = TypeVar("E", bound=Enum)
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:

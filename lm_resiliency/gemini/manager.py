@@ -650,7 +650,10 @@ class InMemoryCheckpointManager:
         except Exception:  # noqa: BLE001 - the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
-        self.close(keep_shared=True)
+        try:
+            self.close(keep_shared=True)
+        except Exception:  # noqa: BLE001 - the previous handler must still run
+            logger.exception("GEMINI: close on signal %d failed", signum)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
@@ -669,6 +672,11 @@ class InMemoryCheckpointManager:
         LM_RESILIENCY_KEEP_SHARED_MEMORY=1 is set (how a supervisor that restarts workers
         keeps them across a planned stop). A SIGKILLed worker leaves them regardless; a run with
         another run id reaps them once older than `reap_other_runs_after_s`.
+
+        A background failure nobody has collected yet (typically the final flush: disk full,
+        read-only) is raised as BackgroundError once everything is released; the error names the
+        file. Calling close() again does not raise it twice. Shared-memory slots are then kept,
+        since they may hold the only copy of the newest state.
         """
         if self._closed:
             return
@@ -684,13 +692,21 @@ class InMemoryCheckpointManager:
         for worker in self._workers:
             if not worker.stop(self.config.timeout_s):
                 logger.error("GEMINI %s worker did not stop within %ss", worker.name, self.config.timeout_s)
+        # A failed last flush leaves the newest state only in shared memory: keep it for the relaunch.
+        failed = any(worker.error is not None for worker in self._workers)
+        try:
+            self._raise_background_error()
+        finally:
+            self._release(bool(keep_shared) or failed)
+
+    def _release(self, keep_shared: bool) -> None:
         self._release_sources()
         for pair in (getattr(self, "_own", None), getattr(self, "_peer", None)):
             if pair is not None:
                 pair.drop_buffers()
         if self._arena is not None:
             try:
-                self._arena.close(keep=bool(keep_shared))
+                self._arena.close(keep=keep_shared)
             except OSError as exc:
                 logger.warning("GEMINI: closing shared-memory slots failed: %s", exc)
         if self._group is not None and dist.is_initialized():
@@ -704,10 +720,19 @@ class InMemoryCheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(keep_shared=True if exc_type is not None else None)
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(keep_shared=True)
+        except Exception:  # noqa: BLE001 - the exception leaving the with-block is the one to see
+            logger.exception("GEMINI: close() while handling %s failed", exc_type.__name__)
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:
     manager = ref()
     if manager is not None:
-        manager.close()
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - nobody is left to raise it to
+            logger.exception("GEMINI: close() at interpreter exit failed; the last flush may be missing")

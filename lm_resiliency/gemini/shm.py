@@ -69,6 +69,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
@@ -190,10 +191,6 @@ def _loads(data: bytes) -> Any:
 
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
@@ -870,7 +867,8 @@ class SharedSlotArena:
             return None
         _check_private(st, what, path, self._uid, directory=False)
         try:
-            fd = os.open(name, mode | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
+            # O_NONBLOCK: a FIFO swapped in after the stat is opened without waiting, then refused.
+            fd = os.open(name, mode | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -879,6 +877,7 @@ class SharedSlotArena:
             raise
         try:
             _check_private(os.fstat(fd), what, path, self._uid, directory=False)
+            os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
             raise
@@ -907,7 +906,7 @@ class SharedSlotArena:
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
     """The owner record of the rank directory open as `dir_fd`, or None if missing or invalid."""
     try:
-        fd = os.open(OWNER_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
     try:

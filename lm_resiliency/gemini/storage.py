@@ -12,16 +12,20 @@ What it guarantees:
 
 - A file becomes visible only by same-directory ``os.replace`` of a fully written and fsynced
   temporary file, followed by an fsync of the directory. A writer killed mid-write leaves only a
-  temporary file; the next write of the same shard (or sidecar) removes it when it was left by a
-  dead process of the same boot and PID namespace. Temporary files from another host or PID
-  namespace are never removed, because a local PID check says nothing about them.
+  temporary file; opening the store (and the next write of the same file) removes it when it was
+  left by a dead process of the same boot and PID namespace. Temporary files of live writers, or
+  from another host or PID namespace, are never removed: a local PID check says nothing about
+  the latter.
 - Reading never unpickles arbitrary objects (``torch.load(weights_only=True)``), never follows a
-  symlink, refuses files owned by another user, and validates format version, JSON metadata
-  schema, run id, topology, owner rank, step, holder rank, layout, payload size and (with
-  ``verify_integrity``) the CRC-32 before returning anything. Every failure is `ShardRejected`.
+  symlink, never opens anything but a regular file (a FIFO would block), refuses files owned by
+  another user and archives with compressed entries or sizes that do not fit in the file (checked
+  before torch.load allocates anything), refuses JSON nested deeper than
+  ``files.MAX_JSON_DEPTH``, and validates format version, JSON metadata schema, run id, topology,
+  owner rank, step, holder rank, layout, payload size and (with ``verify_integrity``) the CRC-32
+  before returning anything. Every failure is `ShardRejected` (`StatusRejected` for the sidecar).
 - Caller metadata (structure, extra, status) must be plain JSON (dict with str keys, list, str,
-  finite float, int, bool, None); anything else fails the write, never the read, so what is read
-  back is exactly what was written.
+  finite float, int, bool, None) nested at most ``files.MAX_JSON_DEPTH - 1`` levels; anything
+  else fails the write, never the read, so what is read back is exactly what was written.
 
 What it does not do: interpret the structure (the manager does), or prove who produced the
 bytes. CRC-32 detects accidental corruption only.
@@ -41,14 +45,16 @@ import secrets
 import socket
 import stat
 import time
+import zipfile
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, List, Optional, Set
+from typing import Any, BinaryIO, List, Optional, Set
 
 import torch
 
-from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
+from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json
 
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.tensor_bytes import byte_windows
@@ -73,6 +79,9 @@ _OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
 _PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
 
+# torch.save of the shard record writes 7 entries (pickle, storage, version markers).
+_MAX_ZIP_ENTRIES = 32
+
 _LEGACY_HINT = ("legacy or unknown GEMINI node-local formats are not loadable by this release; "
                 "resume from the framework's durable checkpoint")
 
@@ -83,10 +92,6 @@ class ShardRejected(Exception):
 
 class StatusRejected(Exception):
     """A status sidecar is persistently malformed or belongs to another run, topology or rank."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +189,12 @@ def process_alive(pid: int, start_time: Optional[int] = None) -> bool:
         return True
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Plain JSON only, so that what is read back equals what was written."""
+def _check_json(value: Any, where: str, depth: int = 1) -> None:
+    """Plain JSON only, so that what is read back equals what was written; nested at most as deep
+    as a reader accepts (`files.MAX_JSON_DEPTH`, counting the record that holds `value`)."""
+    if isinstance(value, (list, dict)) and depth >= MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_JSON_DEPTH - 1} levels; GEMINI metadata "
+                         "readers refuse deeper JSON")
     if value is None or isinstance(value, (str, bool)) or _is_int(value):
         return
     if isinstance(value, float):
@@ -194,14 +203,14 @@ def _check_json(value: Any, where: str) -> None:
         return
     if isinstance(value, list):
         for i, item in enumerate(value):
-            _check_json(item, f"{where}[{i}]")
+            _check_json(item, f"{where}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where}: dict key {key!r} of type {type(key).__name__} is not a str; "
                                 "GEMINI metadata must be plain JSON")
-            _check_json(item, f"{where}[{key!r}]")
+            _check_json(item, f"{where}[{key!r}]", depth + 1)
         return
     raise TypeError(f"{where}: value of type {type(value).__module__}.{type(value).__qualname__} is not "
                     "plain JSON (dict with str keys, list, str, int, finite float, bool, None); "
@@ -216,6 +225,41 @@ def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
     for window in byte_windows(payload):
         crc = zlib.crc32(window, crc)
     return crc
+
+
+def _zip_refusal(f: BinaryIO) -> Optional[str]:
+    """Why the torch zip archive in `f` must not be handed to `torch.load`, or None.
+
+    GEMINI writes every entry uncompressed, so a compressed entry (a few KiB can inflate to GiBs
+    inside torch.load before any GEMINI check runs) or one whose sizes do not fit in the file is
+    refused from the central directory alone, before anything is read or allocated."""
+    size = os.fstat(f.fileno()).st_size
+    try:
+        with zipfile.ZipFile(f) as archive:
+            entries = archive.infolist()
+    except Exception as exc:  # noqa: BLE001 - zipfile raises many types for a corrupt directory
+        return (f"not a readable torch file (truncated or corrupt, or not the zip archive every GEMINI "
+                f"shard is; it is never unpickled): {_summarize(exc)}")
+    finally:
+        f.seek(0)
+    if len(entries) > _MAX_ZIP_ENTRIES:
+        return f"{len(entries)} archive entries; a GEMINI shard has at most {_MAX_ZIP_ENTRIES}"
+    declared = 0
+    for entry in entries:
+        name = entry.filename
+        if entry.compress_type != zipfile.ZIP_STORED:
+            return (f"archive entry {name!r} is compressed (method {entry.compress_type}); GEMINI shards "
+                    "are written uncompressed and compressed entries are never inflated")
+        if entry.flag_bits & 0x1:
+            return f"archive entry {name!r} is encrypted"
+        if entry.file_size != entry.compress_size:
+            return (f"archive entry {name!r} declares {entry.file_size} bytes but stores "
+                    f"{entry.compress_size}")
+        declared += entry.compress_size
+        if entry.header_offset + entry.compress_size > size or declared > size:
+            return (f"archive entry {name!r} declares {entry.compress_size} bytes at offset "
+                    f"{entry.header_offset}, past the end of the {size}-byte file")
+    return None
 
 
 def _summarize(exc: BaseException) -> str:
@@ -261,6 +305,9 @@ class NodeLocalStore:
                           self._root) from exc
         self._make_private_dir(namespace_dir)
         self._make_private_dir(self._dir)
+        # Flushes killed mid-write leave temp files; their step may never be written again (the
+        # shm tier recovers it from memory), so they are reaped now, not at the next write.
+        self._reap_temps()
 
     # ------------------------------------------------------------------ properties
 
@@ -283,8 +330,9 @@ class NodeLocalStore:
                     extra: Optional[dict] = None) -> str:
         """Publish one shard atomically; returns its path. Replaces an existing shard of that key.
 
-        Raises TypeError if `structure` or `extra` is not plain JSON, ValueError for a payload
-        that does not match `layout`, OSError (with the path) for I/O failures.
+        Raises TypeError if `structure` or `extra` is not plain JSON, ValueError if it nests too
+        deeply or for a payload that does not match `layout`, OSError (with the path) for I/O
+        failures.
         """
         if not isinstance(key, ShardKey):
             raise TypeError(f"write_shard: key must be a ShardKey, got {type(key).__name__}")
@@ -465,12 +513,14 @@ class NodeLocalStore:
     def _temp_name(self, final_name: str) -> str:
         return f".{final_name}.tmp-{temp_scope()}-{os.getpid()}-{secrets.token_hex(8)}"
 
-    def _reap_temps(self, final_name: str) -> None:
-        """Remove temp files of `final_name` left by dead writers of our boot and PID namespace."""
+    def _reap_temps(self, final_name: Optional[str] = None) -> None:
+        """Remove temp files of `final_name` (default: of any file) left by dead writers of our
+        boot and PID namespace. A live writer's temp file is never touched."""
         scope = temp_scope()
         for name in self._listdir():
             match = _TEMP_RE.fullmatch(name)
-            if not match or match.group("final") != final_name or match.group("scope") != scope:
+            if (not match or match.group("scope") != scope
+                    or (final_name is not None and match.group("final") != final_name)):
                 continue
             pid = int(match.group("pid"))
             if process_alive(pid):
@@ -492,7 +542,11 @@ class NodeLocalStore:
         try:
             atomic_write(final, write, temp_name=self._temp_name(final_name))
         except OSError as exc:
-            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}", final) from exc
+            hint = ""
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                hint = ("; the node-local disk is full or read-only: free space there or point "
+                        "InMemoryCkptConfig.disk_folder at a writable local disk")
+            raise OSError(exc.errno, f"publishing GEMINI file failed: {exc.strerror or exc}{hint}", final) from exc
         except RuntimeError as exc:  # torch's zip writer reports write failures this way
             raise OSError(errno.EIO, f"publishing GEMINI file failed: {exc}", final) from exc
 
@@ -522,8 +576,12 @@ class NodeLocalStore:
             raise reject(f"{path}: cannot stat {what}: {exc}") from exc
         if stat.S_ISLNK(st.st_mode):
             raise reject(f"{path}: {what} is a symbolic link; refusing to follow it")
+        if not stat.S_ISREG(st.st_mode):  # opening a FIFO would block until a writer appears
+            raise reject(f"{path}: {what} is not a regular file; refusing to load it")
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: a FIFO swapped in after the lstat is opened without waiting, then refused.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -539,6 +597,7 @@ class NodeLocalStore:
         if reason is not None:
             os.close(fd)
             raise reject(f"{path}: {reason}; refusing to load it")
+        os.set_blocking(fd, True)
         return fd
 
     def _read_shard(self, key: ShardKey, path: str) -> Shard:
@@ -550,7 +609,12 @@ class NodeLocalStore:
             raise bad("shard file is missing")
         try:
             with os.fdopen(fd, "rb") as f:
+                refusal = _zip_refusal(f)
+                if refusal is not None:
+                    raise bad(refusal)
                 obj = torch.load(f, weights_only=True, map_location="cpu")
+        except ShardRejected:
+            raise
         except pickle.UnpicklingError as exc:
             raise bad(f"weights-only load refused it (the file is not a GEMINI tensor file and is "
                       f"never unpickled): {_summarize(exc)}") from exc

@@ -70,6 +70,7 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch.distributed as dist
 
+from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.config import ConfigError
 from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
 from lm_resiliency.scout.reports import ReplayResult
@@ -116,10 +117,6 @@ class DurableCheckpointError(CertificationError):
     def __init__(self, message: str, decision: "BoundaryDecision") -> None:
         super().__init__(message)
         self.decision = decision
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_step(value: object) -> bool:

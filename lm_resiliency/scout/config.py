@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lm_resiliency.config import ConfigError
+from lm_resiliency._values import is_int
+from lm_resiliency.config import MAX_SECONDS, ConfigError, is_seconds
 
 # The probe is a third of a check's cost and a slow link is a throughput problem, not a
 # correctness one: by default it runs at every 5th check, which keeps its amortized cost a fifth
@@ -15,11 +15,7 @@ PROBE_EVERY_CHECKS = 5
 
 
 def _positive_int_or_none(value: Any) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-
-
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return value is None or (is_int(value) and value >= 1)
 
 
 @dataclass(frozen=True)
@@ -69,15 +65,16 @@ class ReplayHarnessConfig:
                 "must be a positive integer")
         require(_positive_int_or_none(self.straggler_confirmation_rounds), "straggler_confirmation_rounds",
                 "must be a positive integer")
-        require(_positive_number(self.straggler_min_ratio) and self.straggler_min_ratio > 1, "straggler_min_ratio",
-                "must be a number > 1")
-        require(isinstance(self.straggler_min_margin_s, (int, float)) and not isinstance(self.straggler_min_margin_s, bool)
-                and math.isfinite(self.straggler_min_margin_s) and self.straggler_min_margin_s >= 0,
-                "straggler_min_margin_s", "must be a finite number >= 0")
+        ratio = self.straggler_min_ratio
+        require(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < float("inf"),
+                "straggler_min_ratio", "must be a finite number > 1")
+        require(is_seconds(self.straggler_min_margin_s, allow_zero=True), "straggler_min_margin_s",
+                f"must be a finite number >= 0, at most {MAX_SECONDS:g}")
         for field in ("hang_stall_threshold_s", "dataloader_stall_threshold_s", "checkpoint_io_stall_threshold_s",
                       "monitor_poll_interval_s", "full_sweep_timeout_s"):
-            require(_positive_number(getattr(self, field)), field, "must be a positive, finite number of seconds")
-        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an int")
+            require(is_seconds(getattr(self, field)), field,
+                    f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}")
+        require(is_int(self.seed), "seed", "must be an int")
 
     def interval_for(self, check: str) -> int:
         """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer'."""
