@@ -811,7 +811,7 @@ class ReplayDetector:
                     and live[1] != forward.signatures[live[0]]:
                 # The source's live output differs from its own replay: its live forward joins the
                 # vote in place of that replay.
-                outcomes.append(outcome("live", path, dict(forward.signatures, **{live[0]: str(live[1])}), {}))
+                outcomes.append(outcome("live", path, {**forward.signatures, live[0]: str(live[1])}, {}))
             backward = {r: str(e.get("backward") or ERROR_SIGNATURE) for r, e in entries.items()}
             # Backward gradients are comparable only where the recomputed forwards agreed; a forward
             # fault already names its rank and would differ in the backward as well.

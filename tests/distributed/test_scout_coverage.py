@@ -1,0 +1,63 @@
+"""SCOUT on 4 real DDP ranks over gloo: every parameter is in a rotated check, the live output
+joins the vote, 0-d parameters are checked, and SCOUT's own failures never stop captures."""
+
+import pytest
+import torch
+
+from tests.distributed import scout_coverage_workloads as w
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _not_clean(outcomes):
+    return [o for o in outcomes if o[2] != "clean"]
+
+
+def test_final_norm_outside_the_old_catalog_is_replayed_and_localized():
+    outs = run_ranks(w.detector_run, 4, 3, 2, "norm", timeout=120)
+    for coverage, results in outs:
+        assert coverage == {"parameters": 1.0, "bytes": 1.0, "checks": 3, "steps": 3, "uncovered": []}
+        assert _not_clean(results[1]) == []  # step 1 replays the head
+        # Step 2: the output check's rotation reaches the final LayerNorm.
+        assert _not_clean(results[2]) == [("output", "norm", "sdc", (2,))]
+
+
+def test_optimizer_state_corruption_of_an_unsampled_parameter_is_localized():
+    # norm.bias is the 9th optimizer parameter: the optimizer check's rotation reaches it at check 9.
+    outs = run_ranks(w.detector_run, 4, 2, 1, None, None, 1, timeout=120)
+    for _, results in outs:
+        assert _not_clean(results[1]) == []
+        assert _not_clean(results[2]) == [("optimizer_state", "norm", "sdc", (1,))]
+
+
+def test_one_shot_fault_in_the_live_forward_of_the_sampled_module_is_caught():
+    # Step 3: the output check samples the head with rank 3 as its source; only the live forward
+    # of that call is corrupted, so every replay (rank 3's included) is clean.
+    outs = run_ranks(w.detector_run, 4, 4, 3, None, 3, timeout=120)
+    for _, results in outs:
+        assert [_not_clean(results[s]) for s in (1, 2, 4)] == [[], [], []]
+        assert ("output", "head", "clean", ()) in results[3]
+        assert _not_clean(results[3]) == [("live", "head", "sdc", (3,))]
+
+
+def test_zero_dim_parameters_are_checked_captured_and_resumed(tmp_path):
+    folder = str(tmp_path)
+    baseline = run_ranks(w.scalar_session, 4, str(tmp_path / "baseline"), 6, "regression", timeout=200)
+    killed = run_ranks(w.scalar_session, 4, folder, 6, "regression", 5, timeout=200, check=False)
+    assert all(isinstance(o, BaseException) or o is None for o in killed) or killed
+    resumed = run_ranks(w.scalar_session, 4, folder, 6, "regression", timeout=200)
+    for rank in range(4):
+        assert baseline[rank]["errors"] == 0 and baseline[rank]["verdicts"] == [["clean"]] * 3
+        assert baseline[rank]["own_steps"][-1] == 6 and baseline[rank]["verified"][0] == 6
+        assert resumed[rank]["resumed"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(resumed[rank]["params"], baseline[rank]["params"]))
+
+
+def test_internal_check_failure_is_counted_and_the_capture_happens_uncertified(tmp_path):
+    outs = run_ranks(w.scalar_session, 4, str(tmp_path), 4, "failing", timeout=200)
+    for out in outs:
+        assert out["errors"] >= 2  # the embedding/output replay of `gate` fails on every peer, each check
+        assert all("sdc" not in v for v in out["verdicts"]) and all("error" in v for v in out["verdicts"])
+        assert out["own_steps"] == [2, 4]  # captured...
+        assert out["verified"] == []       # ...but never certified
