@@ -49,6 +49,7 @@ class ReplayHarnessConfig:
     monitor_poll_interval_s: float = 1.0
     full_sweep_timeout_s: float = 120.0
     capture_inputs_by_value: bool = True
+    reference_max_bytes: int = 1 << 30
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +78,9 @@ class ReplayHarnessConfig:
         for field in ("hang_stall_threshold_s", "dataloader_stall_threshold_s", "checkpoint_io_stall_threshold_s",
                       "monitor_poll_interval_s", "full_sweep_timeout_s"):
             require(_positive_number(getattr(self, field)), field, "must be a positive, finite number of seconds")
+        require(isinstance(self.reference_max_bytes, int) and not isinstance(self.reference_max_bytes, bool)
+                and self.reference_max_bytes >= 0, "reference_max_bytes",
+                "must be a non-negative integer number of bytes (0: no reference replays)")
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an int")
 
     def interval_for(self, check: str) -> int:

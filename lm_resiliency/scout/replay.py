@@ -25,6 +25,7 @@ untouched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import socket
@@ -53,7 +54,8 @@ from lm_resiliency.scout.invocation import (
     tensors_in,
     to_device,
 )
-from lm_resiliency.scout.peers import CLEAN, ERROR, voted_outcome
+from lm_resiliency.scout.peers import CLEAN, ERROR, INCONCLUSIVE, SDC, voted_outcome
+from lm_resiliency.scout.reference import ReferenceStore
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
@@ -289,6 +291,7 @@ class ReplayDetector:
         self._captures: Dict[str, _Capture] = {}
         self._armed_step: Optional[int] = None
         self._replaying = False
+        self._references = ReferenceStore(config.reference_max_bytes)
 
     # -- schedule ---------------------------------------------------------------------------
 
@@ -549,6 +552,8 @@ class ReplayDetector:
                 if not header.get("ok"):
                     entry["skipped"] = str(header.get("reason", "no capture"))
                     return entry
+                if not self._fsdp.get(path) and not any(_is_dtensor(p) for p in module.parameters()):
+                    self._references.stage(path, step, header, payload, module)
                 self._replay_on(check, path, module, step, header, payload, entry)
         except ShardedReplayError as exc:
             # FSDP state is the same on every rank, so every peer raises here together.
@@ -805,6 +810,10 @@ class ReplayDetector:
                 outcomes.append(outcome("input", path, inputs, {}))
             timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
             forward = voted(check, path, entries, timings)
+            if forward.verdict == CLEAN:
+                self._references.promote(path, forward.signatures[ranks[0]])
+            elif forward.verdict in (SDC, INCONCLUSIVE) and len(ranks) >= 3:
+                forward = self._tie_break(step, check, path, forward)
             outcomes.append(forward)
             live = first.get("live")
             if forward.verdict != ERROR and live is not None and live[0] in entries \
@@ -829,7 +838,34 @@ class ReplayDetector:
                                         {r: str(e["params"]) for r, e in entries.items()}, {}))
             timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
             outcomes.append(voted("optimizer", first["module"], entries, timings))
+        self._references.discard_pending()
         return outcomes
+
+    def _tie_break(self, step: int, check: str, path: str, forward: CheckOutcome) -> CheckOutcome:
+        """Every peer reruns its reference of `path` (collective; the verdict that calls it is
+        the same on every peer). Peers that fail it while others pass are faulty now: the vote
+        stands when it named exactly them, and is inconclusive otherwise (a majority faulty alike
+        would otherwise name the healthy minority)."""
+        ref = self._references.get(path)
+        passed = None
+        if ref is not None:
+            self._replaying = True
+            try:
+                passed = self._references.self_test(ref, dict(self._candidates(check))[path], self.config.seed)
+            finally:
+                self._replaying = False
+        docs = self._gather({"rank": self._rank, "ref_step": None if ref is None else ref.step, "passed": passed})
+        by_rank = {d.get("rank"): d for d in docs if isinstance(d, dict)}
+        ref_steps = {by_rank.get(r, {}).get("ref_step") for r in self.group_ranks}
+        if len(ref_steps) != 1 or None in ref_steps:
+            return forward
+        failed = tuple(sorted(r for r in self.group_ranks if by_rank[r].get("passed") is not True))
+        if not failed or len(failed) == len(self.group_ranks) or failed == forward.faulty:
+            return forward
+        detail = (f"ranks {list(failed)} no longer reproduce the step-{ref_steps.pop()} replay every peer agreed "
+                  f"on, while the vote named {list(forward.faulty)}: not localized")
+        logger.warning("SCOUT replay check at step %d, %s of %s: %s", step, check, path, detail)
+        return dataclasses.replace(forward, verdict=INCONCLUSIVE, faulty=(), detail=detail)
 
 
 def _state_leaf(value: Any) -> Optional[torch.Tensor]:

@@ -60,7 +60,7 @@ class CheckOutcome:
     faulty: Tuple[int, ...] = ()
     hosts: Dict[int, str] = field(default_factory=dict)
     timings_s: Dict[int, float] = field(default_factory=dict)
-    detail: str = ""                # why an "error" outcome failed
+    detail: str = ""                # why an "error" outcome failed, or why a vote was not localized
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,8 @@ def replay_fault_reports(result: ReplayResult) -> List[SCOUTFaultReport]:
             ranks_by_signature.setdefault(check.signatures[rank], []).append(rank)
         evidence = {"signatures": {str(r): s for r, s in check.signatures.items()},
                     "group_ranks": list(check.group_ranks), "split": ranks_by_signature}
+        if check.detail:
+            evidence["detail"] = check.detail
         if check.verdict == "sdc":
             evidence["assumes"] = ("a strict healthy majority: ranks faulty alike that outnumber the healthy ones "
                                    "would look the same")

@@ -54,9 +54,11 @@ def _one_shot(hook):
     return state, fire
 
 
-def detector_run(rank, world, steps, fault_rank, fault_path=None, one_shot_step=None, state_fault_after=None):
-    """Train NormedLM under DDP with a check at every step. Faults on `fault_rank` only:
-    `fault_path`: a recurring sign flip in that module's forward; `one_shot_step`: one sign flip
+def detector_run(rank, world, steps, fault_rank, fault_path=None, one_shot_step=None, state_fault_after=None,
+                 fault_from=1):
+    """Train NormedLM under DDP with a check at every step. Faults on `fault_rank` only (an int,
+    or a tuple of ranks faulty alike): `fault_path`: a recurring sign flip in that module's
+    forward from step `fault_from` on; `one_shot_step`: one sign flip
     in the head's live forward at that step; `state_fault_after`: after that step's optimizer
     step, Adam's exp_avg of `norm.bias` is nudged. Returns (coverage, {step: outcomes})."""
     torch.manual_seed(0)
@@ -65,10 +67,11 @@ def detector_run(rank, world, steps, fault_rank, fault_path=None, one_shot_step=
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     detector = ReplayDetector(ddp, optimizer, ReplayHarnessConfig(check_interval=1), group=dist.group.WORLD,
                               group_ranks=list(range(world)))
-    if fault_path is not None and rank == fault_rank:
-        model.get_submodule(fault_path).register_forward_hook(sign_flip, with_kwargs=True)
+    faulty = fault_rank if isinstance(fault_rank, tuple) else (fault_rank,)
     results = {}
     for step in range(1, steps + 1):
+        if fault_path is not None and rank in faulty and step == fault_from:
+            model.get_submodule(fault_path).register_forward_hook(sign_flip, with_kwargs=True)
         if one_shot_step == step and rank == fault_rank:
             state, hook = _one_shot(sign_flip)
             state["handle"] = model.head.register_forward_hook(hook, with_kwargs=True)

@@ -41,6 +41,21 @@ def test_one_shot_fault_in_the_live_forward_of_the_sampled_module_is_caught():
         assert _not_clean(results[3]) == [("live", "head", "sdc", (3,))]
 
 
+def test_ranks_faulty_alike_outnumbering_the_healthy_one_do_not_get_it_blamed():
+    # Ranks 0, 1 and 2 flip a sign in the final norm from step 3 on; step 2 checked it clean.
+    # Step 4 votes 3 against 1: the step-2 reference replay shows the majority is the faulty side.
+    outs = run_ranks(w.detector_run, 4, 4, (0, 1, 2), "norm", None, None, 3, timeout=120)
+    for _, results in outs:
+        assert [_not_clean(results[s]) for s in (1, 2, 3)] == [[], [], []]
+        assert _not_clean(results[4]) == [("output", "norm", "inconclusive", ())]
+
+
+def test_a_late_fault_on_one_rank_is_confirmed_by_the_reference_replay():
+    outs = run_ranks(w.detector_run, 4, 4, 1, "norm", None, None, 3, timeout=120)
+    for _, results in outs:
+        assert _not_clean(results[4]) == [("output", "norm", "sdc", (1,))]
+
+
 def test_zero_dim_parameters_are_checked_captured_and_resumed(tmp_path):
     folder = str(tmp_path)
     baseline = run_ranks(w.scalar_session, 4, str(tmp_path / "baseline"), 6, "regression", timeout=200)
