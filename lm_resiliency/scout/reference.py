@@ -7,8 +7,9 @@ and buffers at that step, and the agreed output signature. When a later vote on 
 disagrees, every peer replays that reference again on its device through
 `torch.func.functional_call` (the module's real forward and hooks, with the old state) and checks
 that it still reproduces the agreed signature. A peer that cannot is faulty now, whatever the
-vote's majority says. References are bounded by `ReplayHarnessConfig.reference_max_bytes`
-(oldest evicted first; 0 keeps none).
+vote's majority says. A module's first agreed replay stays its reference (copied once per run);
+references are bounded by `ReplayHarnessConfig.reference_max_bytes` (oldest evicted first; 0
+keeps none).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class ReferenceStore:
         self._pending: Dict[str, Reference] = {}
 
     def stage(self, path: str, step: int, header: dict, payload: torch.Tensor, module: nn.Module) -> None:
-        if self.max_bytes <= 0:
+        # Any earlier agreement serves as a reference, so a module's first one is kept: its
+        # parameters cross to the host once per run, not at every check.
+        if self.max_bytes <= 0 or path in self._refs:
             return
         state = {name: t.detach().to("cpu", copy=True)
                  for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
