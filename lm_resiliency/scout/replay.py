@@ -8,9 +8,14 @@ Per scheduled check (`ReplayHarnessConfig.interval_for`):
 2. `run(step)` after backward, before `optimizer.step()`: the source shares its invocation with
    the group (codec JSON structure + one flat uint8 payload; no pickle). Every peer replays the
    module on those same bytes under `no_grad`, with the RNG forked and seeded identically (so
-   dropout matches), and signs the output, the module's parameters and the received input. A
-   bounded slice of one parameter goes through a shadow optimizer step. One JSON all-gather
-   exchanges every signature; `vote` decides each check the same way on every peer.
+   dropout matches), and signs the output, the module's parameters, their optimizer state and
+   the received input. A bounded slice of one parameter goes through a shadow optimizer step.
+   One JSON all-gather exchanges every signature; `vote` decides each check the same way on every
+   peer. The source's live output signature joins the vote when it differs from its own replay,
+   and a disagreeing vote is checked against a reference replay (`scout.reference`).
+
+The catalog (`ModuleCatalog`) puts every module with parameters in some check class, so one
+rotation replays every parameter (`ReplayDetector.coverage`).
 
 FSDP2/HSDP modules are replayed, and their parameters signed, unsharded (`scout.sharded`); a
 sharded parameter's optimizer slice is the source's, shared like an invocation. TP modules keep
@@ -69,7 +74,7 @@ _HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocas
 
 
 class ReplayError(RuntimeError):
-    """A replay check could not be decided (peers disagree on the plan, or every peer failed).
+    """A replay check could not be run (peers disagree on the plan, or on the shared bytes).
 
     Raised on every peer of the group at the same point, so collectives stay aligned."""
 
@@ -429,8 +434,9 @@ class ReplayDetector:
         Collectives: one JSON all-gather agreeing on the plan (and carrying the sources'
         invocation headers), one uint8 broadcast per source (all of its activation checks, and
         the optimizer check of a sharded parameter), one JSON all-gather of the signatures; with
-        FSDP, the unshard all-gathers over the FSDP mesh. Raises `ReplayError` on every peer when the peers' plans
-        differ."""
+        FSDP, the unshard all-gathers over the FSDP mesh; after a disagreeing forward vote, one
+        JSON all-gather of the reference replays' results. Raises `ReplayError` on every peer when
+        the peers' plans differ; a check that fails on every peer is an "error" outcome."""
         _check_step(step)
         self._remove_captures()
         captures = self._captures if self._armed_step == step else {}
