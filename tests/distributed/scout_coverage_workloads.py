@@ -158,3 +158,45 @@ def scalar_session(rank, world, folder, steps, kind, kill_after=None):
            "params": [p.detach().clone() for p in model.parameters()]}
     session.close()
     return out
+
+
+def accelerate_regression(rank, world, folder):
+    """Accelerate's own `RegressionModel` (0-d parameters, the root is the only module) through
+    Accelerate's prepare and lm-resiliency's Accelerate entry point. Returns what SCOUT saw,
+    with the WARNING-and-above lines lm-resiliency logged."""
+    import io
+    import logging
+
+    from accelerate import Accelerator
+    from accelerate.test_utils.training import RegressionDataset, RegressionModel
+
+    from lm_resiliency.integrations.accelerate import enable_resiliency as enable_for_accelerate
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("lm_resiliency").addHandler(handler)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = RegressionModel(a=1, b=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(RegressionDataset(length=64, seed=rank), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    session = enable_for_accelerate(accelerator, interval=2, checkpoint=InMemoryCkptConfig(
+        disk_folder=folder, run_id="accelerate-regression", replication_jump=1, timeout_s=60,
+        shared_memory_dir=folder + ".shm"))
+    verdicts = []
+    for batch in loader:
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if session.step_count % 2 == 0:
+            verdicts.append(sorted({c.verdict for c in session.last_replay_result.checks}))
+        if session.step_count == 6:
+            break
+    out = {"errors": session.scout_check_errors, "verdicts": verdicts, "verified": session.ledger.verified_steps(),
+           "log": stream.getvalue()}
+    session.close()
+    logging.getLogger("lm_resiliency").removeHandler(handler)
+    return out

@@ -76,3 +76,13 @@ def test_internal_check_failure_is_counted_and_the_capture_happens_uncertified(t
         assert all("sdc" not in v for v in out["verdicts"]) and all("error" in v for v in out["verdicts"])
         assert out["own_steps"] == [2, 4]  # captured...
         assert out["verified"] == []       # ...but never certified
+
+
+def test_accelerate_regression_model_is_checked_and_certified(tmp_path):
+    # Accelerate hooks the model root, which is also the module SCOUT samples: the capture must
+    # still see that call ("(root) was not called" before), and the 0-d optimizer check must run.
+    outs = run_ranks(w.accelerate_regression, 3, str(tmp_path), timeout=200)
+    for out in outs:
+        assert out["errors"] == 0 and out["verdicts"] == [["clean"]] * 3, out
+        assert out["verified"] == [6, 4, 2]
+        assert "was not called" not in out["log"] and "vetoed" not in out["log"], out["log"]
