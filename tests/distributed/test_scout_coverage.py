@@ -60,7 +60,7 @@ def test_zero_dim_parameters_are_checked_captured_and_resumed(tmp_path):
     folder = str(tmp_path)
     baseline = run_ranks(w.scalar_session, 4, str(tmp_path / "baseline"), 6, "regression", timeout=200)
     killed = run_ranks(w.scalar_session, 4, folder, 6, "regression", 5, timeout=200, check=False)
-    assert all(isinstance(o, BaseException) or o is None for o in killed) or killed
+    assert [o.killed_by for o in killed] == [9] * 4, [o.error for o in killed]
     resumed = run_ranks(w.scalar_session, 4, folder, 6, "regression", timeout=200)
     for rank in range(4):
         assert baseline[rank]["errors"] == 0 and baseline[rank]["verdicts"] == [["clean"]] * 3
