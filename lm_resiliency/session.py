@@ -40,7 +40,7 @@ from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_f
 from lm_resiliency.scout.sweep import SweepReport
 
 # Worst first: the verdict a capture boundary sees is the worst since the previous boundary.
-_VERDICT_SEVERITY = ("sdc", "inconclusive", "incomplete", "straggler", "clean")
+_VERDICT_SEVERITY = ("sdc", "inconclusive", "incomplete", "error", "straggler", "clean")
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,9 @@ class ResiliencySession:
         self._pending: Optional[Dict[str, Any]] = None
         self._boundary_verdict = "incomplete"
         self.last_replay_result: Optional[ReplayResult] = None
+        # SCOUT checks that failed for an internal reason (logged at ERROR); such a boundary is
+        # captured uncertified, never counted as SDC evidence.
+        self.scout_check_errors = 0
         self._lock = threading.RLock()
         self._closed = False
         self.manager: Optional[InMemoryCheckpointManager] = None
@@ -274,11 +277,14 @@ class ResiliencySession:
             try:
                 result = self.scout.before_optimizer_step(self.step_count + 1)
             except ReplayError as exc:
-                # Raised on every peer alike; the boundary cannot be certified, training goes on.
+                # Raised on every peer alike: SCOUT's own failure, not evidence about a device. The
+                # boundary is captured uncertified ("error"); training goes on.
                 logger.error("SCOUT: replay check at step %d failed: %s", self.step_count + 1, exc)
-                self._boundary_verdict = "incomplete"
+                self.scout_check_errors += 1
+                self._boundary_verdict = "error"
                 result = None
             if result is not None:
+                self.scout_check_errors += len(result.errors)
                 self._note_replay_result(result)
         if self.manager is not None:
             self.manager.maybe_wait()

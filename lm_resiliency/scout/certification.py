@@ -83,9 +83,12 @@ RECOVERY_VERIFIED = "RECOVERY_VERIFIED"
 QUARANTINED = "QUARANTINED"
 MANIFEST_STATES = (CANDIDATE, RECOVERY_VERIFIED, QUARANTINED)
 
-VERDICTS = ("clean", "straggler", "sdc", "inconclusive", "incomplete")
+VERDICTS = ("clean", "straggler", "sdc", "inconclusive", "incomplete", "error")
 _ACCEPTED = ("clean", "straggler")
-_PRECEDENCE = ("sdc", "inconclusive", "incomplete", "straggler", "clean")
+# "error": a SCOUT check failed for an internal reason. No evidence either way: the step is
+# captured, but the cycle cannot certify it (it stays plain latest state, never RECOVERY_VERIFIED).
+_CAPTURED_UNCERTIFIED = ("error",)
+_PRECEDENCE = ("sdc", "inconclusive", "incomplete", "error", "straggler", "clean")
 
 TRUST_SCHEMA_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
@@ -233,6 +236,8 @@ def verdict_of(result: Optional[ReplayResult]) -> str:
         return "sdc"
     if result.inconclusive:
         return "inconclusive"
+    if result.errors:
+        return "error"
     if any(s.confirmed for s in result.stragglers):
         return "straggler"
     return "clean"
@@ -246,7 +251,7 @@ class BoundaryDecision:
     """The job-wide outcome of one SCOUT boundary (identical on every rank of the group).
 
     step: the boundary's optimizer step.
-    verdict: the job-wide verdict ("sdc" > "inconclusive" > "incomplete" > "straggler" > "clean").
+    verdict: the job-wide verdict ("sdc" > "inconclusive" > "incomplete" > "error" > "straggler" > "clean"; "error" is captured uncertified).
     capture: whether GEMINI may capture this step.
     cycle_complete: every rank finished the scheduled recipe cycle at this boundary (all K
         recipes seen, no incomplete check).
@@ -675,6 +680,9 @@ class CertificationLedger:
         elif latched:
             reason = (f"SDC was detected at step {self._sdc_step} and training has not been restored from "
                       "RECOVERY_VERIFIED state since; nothing is captured or certified")
+        elif verdict in _CAPTURED_UNCERTIFIED:
+            reason = (f"a SCOUT check failed internally on group ranks {list(reporting)}: captured uncertified, "
+                      "and the current cycle cannot certify anything")
         elif not accepted:
             reason = (f"{verdict} SCOUT evidence from group ranks {list(reporting)}: no capture, and the current "
                       "cycle cannot certify anything")
@@ -721,7 +729,8 @@ class CertificationLedger:
                 state = CANDIDATE
                 reason += "; this boundary is the new CANDIDATE"
         decision = BoundaryDecision(
-            step=step, verdict=verdict, capture=accepted, cycle_complete=complete, state=state,
+            step=step, verdict=verdict, capture=accepted or (verdict in _CAPTURED_UNCERTIFIED and not latched),
+            cycle_complete=complete, state=state,
             verified_step=verified_step, candidate_step=self.candidate_step, rejected_step=rejected_step,
             sdc_detected=bool(sdc_ranks), requires_verified_recovery=self._sdc_pending,
             reporting_ranks=reporting, checkpoint_id=checkpoint_id, reason=reason)

@@ -45,6 +45,7 @@ class ReplayHarnessConfig:
     monitor_poll_interval_s: float = 1.0
     full_sweep_timeout_s: float = 120.0
     capture_inputs_by_value: bool = True
+    reference_max_bytes: int = 1 << 30
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class ReplayHarnessConfig:
                       "monitor_poll_interval_s", "full_sweep_timeout_s"):
             require(is_seconds(getattr(self, field)), field,
                     f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}")
+        require(is_int(self.reference_max_bytes) and self.reference_max_bytes >= 0, "reference_max_bytes",
+                "must be a non-negative integer number of bytes (0: no reference replays)")
         require(is_int(self.seed), "seed", "must be an int")
 
     def interval_for(self, check: str) -> int:

@@ -97,6 +97,11 @@ class ScoutHarness:
                                                group_ranks=group_ranks)
             except ReplayUnsupportedError as exc:
                 logger.warning("SCOUT: replay checks disabled: %s", exc)
+            else:
+                cover = self.detector.coverage()
+                logger.info("SCOUT: one rotation (%d checks, %d steps) replays %.1f%% of the parameters "
+                            "(%.1f%% of their bytes)%s", cover["checks"], cover["steps"], 100 * cover["parameters"],
+                            100 * cover["bytes"], f"; not reached: {cover['uncovered'][:8]}" if cover["uncovered"] else "")
         self.compute = ComputeStragglerDetector(config, group_ranks, hosts)
         self.communication = CommunicationStragglerLocalizer(config, hosts)
         if self.world_size > 2 and probe_collectives:
@@ -111,6 +116,11 @@ class ScoutHarness:
         # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
         self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
             if self.detector is not None else None
+
+    def coverage(self) -> Optional[Dict[str, Any]]:
+        """What one rotation of the replay checks covers (`ReplayDetector.coverage`); None when
+        replay checks are off."""
+        return self.detector.coverage() if self.detector is not None else None
 
     def _hosts(self, distributed: bool, timeout_s: float) -> Dict[int, str]:
         host = socket.gethostname()

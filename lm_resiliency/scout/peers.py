@@ -19,6 +19,7 @@ from lm_resiliency.scout.reports import CheckOutcome
 logger = logging.getLogger(__name__)
 
 CLEAN, SDC, PEER_GROUP, INCONCLUSIVE = "clean", "sdc", "peer_group", "inconclusive"
+ERROR = "error"  # the check itself failed on every peer: no evidence either way
 
 
 def _positive_int(value: object) -> bool:
@@ -84,6 +85,10 @@ def vote(signatures: Dict[int, str]) -> Tuple[str, Tuple[int, ...]]:
     - >= 3 peers and a strict majority (> n/2)    -> ("sdc", ranks outside the majority)
     - 2 peers disagreeing                         -> ("peer_group", ())  (never blame a guessed rank)
     - otherwise (no strict majority)              -> ("inconclusive", ())
+
+    The vote sees only signatures: ranks that are faulty *alike* and form a strict majority are
+    indistinguishable from a healthy majority, so "sdc" assumes a strict healthy majority. Every
+    outcome that is not clean carries the full split (`split`) so an operator can judge.
     """
     if not signatures:
         raise ValueError("vote needs at least one signature")
@@ -99,6 +104,14 @@ def vote(signatures: Dict[int, str]) -> Tuple[str, Tuple[int, ...]]:
     return INCONCLUSIVE, ()
 
 
+def split(signatures: Mapping[int, str]) -> Dict[str, List[int]]:
+    """Ranks by signature, largest group first (ties: by signature): who agrees with whom."""
+    groups: Dict[str, List[int]] = {}
+    for rank in sorted(signatures):
+        groups.setdefault(signatures[rank], []).append(rank)
+    return dict(sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])))
+
+
 def voted_outcome(check: str, path: str, ranks: Sequence[int], signatures: Dict[int, str], where: str, *,
                   hosts: Optional[Mapping[int, str]] = None,
                   timings: Optional[Mapping[int, float]] = None) -> CheckOutcome:
@@ -106,8 +119,8 @@ def voted_outcome(check: str, path: str, ranks: Sequence[int], signatures: Dict[
     logged with the signatures (`where` names the replay: a step's check, or the sweep)."""
     verdict, faulty = vote(signatures)
     if verdict != CLEAN:
-        logger.warning("SCOUT %s, %s of %s: %s, faulty=%s, signatures=%s", where, check, path, verdict,
-                       list(faulty), signatures)
+        logger.warning("SCOUT %s, %s of %s: %s, faulty=%s, ranks by signature=%s", where, check, path, verdict,
+                       list(faulty), split(signatures))
     return CheckOutcome(check=check, module_path=path, group_ranks=tuple(ranks), signatures=signatures,
                         verdict=verdict, faulty=faulty, hosts=dict(hosts or {}), timings_s=dict(timings or {}))
 

@@ -8,9 +8,14 @@ Per scheduled check (`ReplayHarnessConfig.interval_for`):
 2. `run(step)` after backward, before `optimizer.step()`: the source shares its invocation with
    the group (codec JSON structure + one flat uint8 payload; no pickle). Every peer replays the
    module on those same bytes under `no_grad`, with the RNG forked and seeded identically (so
-   dropout matches), and signs the output, the module's parameters and the received input. A
-   bounded slice of one parameter goes through a shadow optimizer step. One JSON all-gather
-   exchanges every signature; `vote` decides each check the same way on every peer.
+   dropout matches), and signs the output, the module's parameters, their optimizer state and
+   the received input. A bounded slice of one parameter goes through a shadow optimizer step.
+   One JSON all-gather exchanges every signature; `vote` decides each check the same way on every
+   peer. The source's live output signature joins the vote when it differs from its own replay,
+   and a disagreeing vote is checked against a reference replay (`scout.reference`).
+
+The catalog (`ModuleCatalog`) puts every module with parameters in some check class, so one
+rotation replays every parameter (`ReplayDetector.coverage`).
 
 FSDP2/HSDP modules are replayed, and their parameters signed, unsharded (`scout.sharded`); a
 sharded parameter's optimizer slice is the source's, shared like an invocation. TP modules keep
@@ -25,6 +30,7 @@ untouched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import socket
@@ -53,7 +59,8 @@ from lm_resiliency.scout.invocation import (
     tensors_in,
     to_device,
 )
-from lm_resiliency.scout.peers import CLEAN, voted_outcome
+from lm_resiliency.scout.peers import CLEAN, ERROR, INCONCLUSIVE, SDC, voted_outcome
+from lm_resiliency.scout.reference import ReferenceStore
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
@@ -63,11 +70,11 @@ logger = logging.getLogger(__name__)
 CHECKS = ("embedding", "hidden", "output", "optimizer")
 ACTIVATION_CHECKS = ("embedding", "hidden", "output")
 ERROR_SIGNATURE = "error"
-_HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason"}
+_HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason", "live"}
 
 
 class ReplayError(RuntimeError):
-    """A replay check could not be decided (peers disagree on the plan, or every peer failed).
+    """A replay check could not be run (peers disagree on the plan, or on the shared bytes).
 
     Raised on every peer of the group at the same point, so collectives stay aligned."""
 
@@ -83,6 +90,10 @@ class ModuleCatalog:
     embedding: Optional[Tuple[str, nn.Module]]
     hidden: Tuple[Tuple[str, nn.Module], ...]
     output: Optional[Tuple[str, nn.Module]]
+    # Modules owning parameters none of the above holds (a final norm, a positional table on the
+    # root): the output check rotates through them after the output module, so every parameter
+    # is replayed and signed within one rotation.
+    remaining: Tuple[Tuple[str, nn.Module], ...] = ()
 
     @staticmethod
     def of(model: nn.Module) -> "ModuleCatalog":
@@ -103,7 +114,14 @@ class ModuleCatalog:
             best = max(by_type.values(), key=len, default=[])
             if len(best) >= 2 and len(best) > len(hidden):
                 hidden = tuple(best)
-        return ModuleCatalog(embedding, hidden, output)
+        chosen = ([embedding] if embedding else []) + list(hidden) + ([output] if output else [])
+        covered = {id(p) for _, m in chosen for p in m.parameters()}
+        remaining = []
+        for path, module in named:  # parents first: a parent replayed covers its children too
+            if any(id(p) not in covered for p in module.parameters(recurse=False)):
+                remaining.append((path, module))
+                covered.update(id(p) for p in module.parameters())
+        return ModuleCatalog(embedding, hidden, output, tuple(remaining))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -145,9 +163,24 @@ def _whole_when_unsharded(param: torch.Tensor, peers: Sequence[int]) -> bool:
     return all(set(dist.get_process_group_ranks(mesh.get_group(i))) <= set(peers) for i in range(mesh.ndim))
 
 
+def _rng_marks(device: torch.device) -> List[torch.Tensor]:
+    """The CPU RNG state and, on an accelerator, its device RNG state: equal marks before and
+    after a call mean the call drew no random numbers."""
+    marks = [torch.get_rng_state()]
+    if device.type == "cuda":
+        marks.append(torch.cuda.get_rng_state(device))
+    return marks
+
+
 class _Capture:
     """Forward pre-hook that stores one invocation's inputs, then removes itself; for a module
-    with a backward replay also that call's output gradient from the real backward (`OutputGradCapture`)."""
+    with a backward replay also that call's output gradient from the real backward (`OutputGradCapture`).
+
+    A forward hook on the same call signs the live output (`live`), which must equal every
+    peer's replay: a fault in the live forward alone is caught too. It is left unsigned when the
+    call drew random numbers (dropout: the replay reseeds), when inputs are kept by reference, or
+    when the pre-hook missed the call (registered while the module's pre-hooks ran); in that
+    last case the forward hook captures the inputs instead."""
 
     def __init__(self, detector: "ReplayDetector", path: str, module: nn.Module, step: int) -> None:
         self.path, self.step = path, step
@@ -155,18 +188,37 @@ class _Capture:
         self.kwargs: Any = None
         self.autocast: List[List[str]] = []
         self.done = False
+        self.live: Optional[str] = None
+        self._rng: Optional[List[torch.Tensor]] = None
         self._detector = detector
         self._handle = module.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        self._post = module.register_forward_hook(self._after, with_kwargs=True)
         self.output_grads = OutputGradCapture(module, tensors_in) if path in detector._backward else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.done or self._detector._replaying:
             return None
+        self._store(args, kwargs)
+        if self._detector.config.capture_inputs_by_value:
+            self._rng = _rng_marks(module_device(module))
+        self._remove_pre_hook()  # the output-gradient hook stays until this call's output is seen
+        return None
+
+    def _store(self, args: tuple, kwargs: dict) -> None:
         by_value = self._detector.config.capture_inputs_by_value
         self.args, self.kwargs = clone_inputs(args, by_value), clone_inputs(kwargs, by_value)
         self.autocast = autocast_regions()
         self.done = True
-        self._remove_pre_hook()  # the output-gradient hook stays until this call's output is seen
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._detector._replaying:
+            return None
+        if not self.done:
+            self._store(args, kwargs)
+        elif self._rng is not None and all(torch.equal(a, b) for a, b in
+                                           zip(self._rng, _rng_marks(module_device(module)))):
+            self.live = structure_signature(tensors_in(output))
+        self._remove_post_hook()
         return None
 
     def _remove_pre_hook(self) -> None:
@@ -174,8 +226,14 @@ class _Capture:
             self._handle.remove()
             self._handle = None
 
+    def _remove_post_hook(self) -> None:
+        if self._post is not None:
+            self._post.remove()
+            self._post = None
+
     def remove(self) -> None:
         self._remove_pre_hook()
+        self._remove_post_hook()
         if self.output_grads is not None:
             self.output_grads.remove()
 
@@ -223,6 +281,7 @@ class ReplayDetector:
         self.catalog = ModuleCatalog.of(self._root)
         # FSDP modules to unshard around each sampled module's replay (none for dense and TP-only models).
         self._fsdp: Dict[str, List[nn.Module]] = {}
+        self._remaining = self._replayable_remaining()
         # Modules whose parameters are whole on every peer (dense, or FSDP/HSDP once unsharded) also
         # get a backward replay; TP modules do not (their backward would add TP collectives).
         self._backward: set = set()
@@ -237,6 +296,7 @@ class ReplayDetector:
         self._captures: Dict[str, _Capture] = {}
         self._armed_step: Optional[int] = None
         self._replaying = False
+        self._references = ReferenceStore(config.reference_max_bytes)
 
     # -- schedule ---------------------------------------------------------------------------
 
@@ -248,11 +308,24 @@ class ReplayDetector:
             raise ReplayUnsupportedError(f"{what} module {path!r}: {exc}") from exc
         return owners
 
+    def _replayable_remaining(self) -> Tuple[Tuple[str, nn.Module], ...]:
+        """The catalog's remaining modules that can be replayed; one that cannot (e.g. inside a
+        grouped `fully_shard`) is left out of the rotation, and `coverage()` counts it missing."""
+        kept = []
+        for path, module in self.catalog.remaining:
+            try:
+                self._fsdp_owners(path, "remaining")
+            except ReplayUnsupportedError as exc:
+                logger.warning("SCOUT: %r is left out of the replay rotation: %s", path, exc)
+                continue
+            kept.append((path, module))
+        return tuple(kept)
+
     def _candidates(self, check: str) -> Tuple[Tuple[str, nn.Module], ...]:
         if check == "embedding":
             return (self.catalog.embedding,) if self.catalog.embedding else ()
         if check == "output":
-            return (self.catalog.output,) if self.catalog.output else ()
+            return ((self.catalog.output,) if self.catalog.output else ()) + self._remaining
         if check == "hidden":
             return self.catalog.hidden
         raise ValueError(f"unknown activation check {check!r}")
@@ -280,11 +353,37 @@ class ReplayDetector:
         """How many times `check` has been scheduled up to `step` (1 at its first check)."""
         return step // self.config.interval_for(check)
 
+    def _rotates(self, check: str) -> bool:
+        """`rotate_layers` governs the hidden layers; the output check always rotates through
+        the remaining modules (without it they would never be replayed)."""
+        return check == "output" or (check == "hidden" and self.config.rotate_layers)
+
     def _target(self, check: str, step: int) -> Tuple[str, nn.Module]:
         candidates = self._candidates(check)
-        if check == "hidden" and self.config.rotate_layers:
+        if self._rotates(check):
             return candidates[(self._round(check, step) - 1) % len(candidates)]
         return candidates[0]
+
+    def coverage(self) -> Dict[str, Any]:
+        """What one full rotation of the activation checks replays and signs (parameters and,
+        for unsharded parameters, their optimizer state):
+
+        `parameters` / `bytes`: fraction of the model's parameters by count / by bytes that some
+        rotated module holds; `checks`: how many checks of the longest rotation cover them all;
+        `steps`: optimizer steps that takes (each class at its own interval); `uncovered`:
+        names of parameters no check reaches."""
+        rotations = {c: (self._candidates(c) if self._rotates(c) else self._candidates(c)[:1])
+                     for c in ACTIVATION_CHECKS}
+        covered = {id(p) for modules in rotations.values() for _, m in modules for p in m.parameters()}
+        params = list(self._root.named_parameters())
+        total_bytes = sum(_local(p).numel() * p.element_size() for _, p in params)
+        seen_bytes = sum(_local(p).numel() * p.element_size() for _, p in params if id(p) in covered)
+        checks = max((len(m) for m in rotations.values()), default=0)
+        return {"parameters": sum(id(p) in covered for _, p in params) / len(params) if params else 1.0,
+                "bytes": seen_bytes / total_bytes if total_bytes else 1.0,
+                "checks": checks,
+                "steps": max((len(m) * self.config.interval_for(c) for c, m in rotations.items()), default=0),
+                "uncovered": [name for name, p in params if id(p) not in covered]}
 
     def _source(self, check: str, step: int) -> int:
         return self.group_ranks[self._round(check, step) % len(self.group_ranks)]
@@ -335,8 +434,9 @@ class ReplayDetector:
         Collectives: one JSON all-gather agreeing on the plan (and carrying the sources'
         invocation headers), one uint8 broadcast per source (all of its activation checks, and
         the optimizer check of a sharded parameter), one JSON all-gather of the signatures; with
-        FSDP, the unshard all-gathers over the FSDP mesh. Raises `ReplayError` on every peer when the peers' plans
-        differ."""
+        FSDP, the unshard all-gathers over the FSDP mesh; after a disagreeing forward vote, one
+        JSON all-gather of the reference replays' results. Raises `ReplayError` on every peer when
+        the peers' plans differ; a check that fails on every peer is an "error" outcome."""
         _check_step(step)
         self._remove_captures()
         captures = self._captures if self._armed_step == step else {}
@@ -364,7 +464,9 @@ class ReplayDetector:
             if check == "optimizer":
                 optimizer_doc = self._optimizer_check(step, (header, payload))
             else:
-                local.append(self._replay_one(check, path, self._target(check, step)[1], step, header, payload))
+                entry = self._replay_one(check, path, self._target(check, step)[1], step, header, payload)
+                entry["live"] = [source, header["live"]] if header.get("live") else None
+                local.append(entry)
         doc = {"rank": self._rank, "host": self.host, "step": step, "checks": local, "optimizer": optimizer_doc}
         docs = self._gather(doc)
         return ReplayResult(step=step, checks=tuple(self._decide(step, docs)))
@@ -388,7 +490,8 @@ class ReplayDetector:
         except StateEncodingError as exc:
             header["reason"] = f"inputs of {path!r} cannot be shared without pickle: {exc}"
             return header, []
-        header.update(ok=True, structure=encoded.structure, layout=layout.to_json(), autocast=capture.autocast)
+        header.update(ok=True, structure=encoded.structure, layout=layout.to_json(), autocast=capture.autocast,
+                      live=capture.live)
         return header, encoded.tensors
 
     def _agree(self, step: int, plan: list, headers: Dict[str, dict]) -> Dict[int, Dict[str, dict]]:
@@ -447,7 +550,7 @@ class ReplayDetector:
     def _replay_one(self, check: str, path: str, module: nn.Module, step: int, header: dict,
                     payload: torch.Tensor) -> dict:
         entry: Dict[str, Any] = {"check": check, "module": path, "params": None, "skipped": None, "input": None,
-                                 "out": None, "time": None, "error": None}
+                                 "out": None, "time": None, "error": None, "state": self._state_signature(module)}
         try:
             # Unsharded on every peer, skipped checks included, so the FSDP all-gathers line up.
             with unsharded(self._fsdp.get(path, [])):
@@ -455,11 +558,23 @@ class ReplayDetector:
                 if not header.get("ok"):
                     entry["skipped"] = str(header.get("reason", "no capture"))
                     return entry
+                if not self._fsdp.get(path) and not any(_is_dtensor(p) for p in module.parameters()):
+                    self._references.stage(path, step, header, payload, module)
                 self._replay_on(check, path, module, step, header, payload, entry)
         except ShardedReplayError as exc:
             # FSDP state is the same on every rank, so every peer raises here together.
             raise ReplayError(f"step {step} {check} check on {path!r}: {exc}") from exc
         return entry
+
+    def _state_signature(self, module: nn.Module) -> Optional[str]:
+        """Signature of the optimizer state of `module`'s replicated parameters (None without
+        any). A sharded parameter's state differs per peer by design and is left out."""
+        leaves: List[Optional[torch.Tensor]] = []
+        for param in module.parameters():
+            state = self.optimizer.state.get(param) if not _is_dtensor(param) else None
+            for key in sorted(state or {}, key=str):
+                leaves.append(_state_leaf(state[key]))
+        return structure_signature(leaves) if leaves else None
 
     def _replay_on(self, check: str, path: str, module: nn.Module, step: int, header: dict,
                    payload: torch.Tensor, entry: Dict[str, Any]) -> None:
@@ -545,6 +660,10 @@ class ReplayDetector:
         grad = param.grad
         if grad is not None and grad.layout != torch.strided:
             raise ReplayUnsupportedError(f"{grad.layout} gradients are not supported")
+        if local.dim() == 0:  # a scalar steps as itself: slicing would turn it (not its state) into [1]
+            return {"param": local.detach().clone(), "grad": None if grad is None else _local(grad).detach().clone(),
+                    "state": {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                              for k, v in self.optimizer.state.get(param, {}).items()}}
         state = {}
         for key, value in self.optimizer.state.get(param, {}).items():
             if isinstance(value, torch.Tensor):
@@ -623,10 +742,7 @@ class ReplayDetector:
             new_state = shadow_optimizer.state.get(shadow, {})
             leaves = [shadow.detach()]
             for key in sorted(new_state, key=str):
-                value = new_state[key]
-                leaves.append(value.detach() if isinstance(value, torch.Tensor)
-                              else torch.tensor([float(value)], dtype=torch.float64)
-                              if isinstance(value, (int, float)) and not isinstance(value, bool) else None)
+                leaves.append(_state_leaf(new_state[key]))
             entry["out"] = structure_signature(leaves)
         except ReplayError:
             raise
@@ -667,18 +783,31 @@ class ReplayDetector:
             return voted_outcome(check, path, ranks, signatures, f"replay check at step {step}", hosts=hosts,
                                  timings=timings)
 
-        def signatures_of(entries: Dict[int, dict], key: str, what: str) -> Dict[int, str]:
+        def voted(check: str, path: str, entries: Dict[int, dict], timings: Dict[int, float]) -> CheckOutcome:
             if all(e.get("error") for e in entries.values()):
-                raise ReplayError(f"step {step}: {what} failed on every peer: "
-                                  + "; ".join(f"rank {r}: {e['error']}" for r, e in entries.items()))
-            return {r: ERROR_SIGNATURE if e.get("error") else str(e[key]) for r, e in entries.items()}
+                # The same failure on every peer is SCOUT's own (an unsupported module or state),
+                # not evidence about any device: an error outcome, never an SDC verdict.
+                detail = f"{check} check of {path!r} failed on every peer: " + \
+                    "; ".join(f"rank {r}: {e['error']}" for r, e in entries.items())
+                logger.error("SCOUT replay check at step %d: %s", step, detail)
+                return CheckOutcome(check=check, module_path=path, group_ranks=tuple(ranks),
+                                    signatures={r: ERROR_SIGNATURE for r in ranks}, verdict=ERROR,
+                                    hosts=hosts, detail=detail)
+            signatures = {r: ERROR_SIGNATURE if e.get("error") else str(e["out"]) for r, e in entries.items()}
+            return outcome(check, path, signatures, timings)
+
+        def with_state(path: str, entries: Dict[int, dict]) -> None:
+            outcomes.append(outcome("parameters", path, {r: str(e["params"]) for r, e in entries.items()}, {}))
+            if any(e.get("state") is not None for e in entries.values()):
+                outcomes.append(outcome("optimizer_state", path, {r: str(e.get("state")) for r, e in entries.items()},
+                                        {}))
 
         for i, first in enumerate(by_rank[ranks[0]]["checks"]):
             entries = {r: by_rank[r]["checks"][i] for r in ranks}
             check, path = first["check"], first["module"]
             if path not in param_paths:
                 param_paths.add(path)
-                outcomes.append(outcome("parameters", path, {r: str(e["params"]) for r, e in entries.items()}, {}))
+                with_state(path, entries)
             if first.get("skipped"):
                 logger.warning("SCOUT %s check on %s at step %d skipped: %s", check, path, step, first["skipped"])
                 continue
@@ -686,8 +815,18 @@ class ReplayDetector:
             if len(set(inputs.values())) > 1:
                 outcomes.append(outcome("input", path, inputs, {}))
             timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
-            forward = outcome(check, path, signatures_of(entries, "out", f"{check} replay of {path!r}"), timings)
+            forward = voted(check, path, entries, timings)
+            if forward.verdict == CLEAN:
+                self._references.promote(path, forward.signatures[ranks[0]])
+            elif forward.verdict in (SDC, INCONCLUSIVE) and len(ranks) >= 3:
+                forward = self._tie_break(step, check, path, forward)
             outcomes.append(forward)
+            live = first.get("live")
+            if forward.verdict != ERROR and live is not None and live[0] in entries \
+                    and live[1] != forward.signatures[live[0]]:
+                # The source's live output differs from its own replay: its live forward joins the
+                # vote in place of that replay.
+                outcomes.append(outcome("live", path, {**forward.signatures, live[0]: str(live[1])}, {}))
             backward = {r: str(e.get("backward") or ERROR_SIGNATURE) for r, e in entries.items()}
             # Backward gradients are comparable only where the recomputed forwards agreed; a forward
             # fault already names its rank and would differ in the backward as well.
@@ -704,10 +843,44 @@ class ReplayDetector:
                 outcomes.append(outcome("parameters", first["param"],
                                         {r: str(e["params"]) for r, e in entries.items()}, {}))
             timings = {r: float(e["time"]) for r, e in entries.items() if e.get("time") is not None}
-            outcomes.append(outcome("optimizer", first["module"],
-                                    signatures_of(entries, "out", f"optimizer check of {first['module']!r}"),
-                                    timings))
+            outcomes.append(voted("optimizer", first["module"], entries, timings))
+        self._references.discard_pending()
         return outcomes
+
+    def _tie_break(self, step: int, check: str, path: str, forward: CheckOutcome) -> CheckOutcome:
+        """Every peer reruns its reference of `path` (collective; the verdict that calls it is
+        the same on every peer). Peers that fail it while others pass are faulty now: the vote
+        stands when it named exactly them, and is inconclusive otherwise (a majority faulty alike
+        would otherwise name the healthy minority)."""
+        ref = self._references.get(path)
+        passed = None
+        if ref is not None:
+            self._replaying = True
+            try:
+                passed = self._references.self_test(ref, dict(self._candidates(check))[path], self.config.seed)
+            finally:
+                self._replaying = False
+        docs = self._gather({"rank": self._rank, "ref_step": None if ref is None else ref.step, "passed": passed})
+        by_rank = {d.get("rank"): d for d in docs if isinstance(d, dict)}
+        ref_steps = {by_rank.get(r, {}).get("ref_step") for r in self.group_ranks}
+        if len(ref_steps) != 1 or None in ref_steps:
+            return forward
+        failed = tuple(sorted(r for r in self.group_ranks if by_rank[r].get("passed") is not True))
+        if not failed or len(failed) == len(self.group_ranks) or failed == forward.faulty:
+            return forward
+        detail = (f"ranks {list(failed)} no longer reproduce the step-{ref_steps.pop()} replay every peer agreed "
+                  f"on, while the vote named {list(forward.faulty)}: not localized")
+        logger.warning("SCOUT replay check at step %d, %s of %s: %s", step, check, path, detail)
+        return dataclasses.replace(forward, verdict=INCONCLUSIVE, faulty=(), detail=detail)
+
+
+def _state_leaf(value: Any) -> Optional[torch.Tensor]:
+    """One optimizer-state value as a signable tensor (a number as float64; other values: None)."""
+    if isinstance(value, torch.Tensor):
+        return _local(value).detach()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor([float(value)], dtype=torch.float64)
+    return None
 
 
 def json_roundtrip(value: Any) -> Any:

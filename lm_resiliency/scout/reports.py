@@ -47,10 +47,12 @@ class CheckOutcome:
     """One replay check on one equivalent-peer group.
 
     verdict: "clean" (all signatures equal), "sdc" (strict majority; `faulty` are the ranks
-    outside it), "peer_group" (2 peers disagree: detected, no rank blamed) or "inconclusive"
-    (no strict majority)."""
+    outside it), "peer_group" (2 peers disagree: detected, no rank blamed), "inconclusive"
+    (no strict majority) or "error" (the check failed on every peer: SCOUT's own failure, no
+    evidence about any device; `detail` says why)."""
 
     check: str                      # "embedding" | "hidden" | "output" | "optimizer" | "parameters"
+                                    # | "optimizer_state" | "live" | "input" | "backward"
     module_path: str
     group_ranks: Tuple[int, ...]
     signatures: Dict[int, str]      # rank -> 64-bit signature (hex)
@@ -58,6 +60,7 @@ class CheckOutcome:
     faulty: Tuple[int, ...] = ()
     hosts: Dict[int, str] = field(default_factory=dict)
     timings_s: Dict[int, float] = field(default_factory=dict)
+    detail: str = ""                # why an "error" outcome failed, or why a vote was not localized
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,11 @@ class ReplayResult:
         return any(c.verdict == "inconclusive" for c in self.checks)
 
     @property
+    def errors(self) -> Tuple[CheckOutcome, ...]:
+        """Checks that failed on every peer (SCOUT's own failures, not SDC evidence)."""
+        return tuple(c for c in self.checks if c.verdict == "error")
+
+    @property
     def healthy(self) -> bool:
         return not self.sdc and not self.inconclusive and not any(s.confirmed for s in self.stragglers)
 
@@ -97,8 +105,16 @@ def replay_fault_reports(result: ReplayResult) -> List[SCOUTFaultReport]:
     reports = []
     for check in result.checks:
         resource = f"{check.check}:{check.module_path}"
+        ranks_by_signature: Dict[str, List[int]] = {}
+        for rank in sorted(check.signatures):
+            ranks_by_signature.setdefault(check.signatures[rank], []).append(rank)
         evidence = {"signatures": {str(r): s for r, s in check.signatures.items()},
-                    "group_ranks": list(check.group_ranks)}
+                    "group_ranks": list(check.group_ranks), "split": ranks_by_signature}
+        if check.detail:
+            evidence["detail"] = check.detail
+        if check.verdict == "sdc":
+            evidence["assumes"] = ("a strict healthy majority: ranks faulty alike that outnumber the healthy ones "
+                                   "would look the same")
         if check.verdict == "sdc":
             reports.append(SCOUTFaultReport(
                 kind=SDC, scope=SCOPE_RANK, ranks=check.faulty,
