@@ -94,7 +94,8 @@ class ResiliencyCallback(*_callback_bases()):
         if run_id is not None:
             options = options.replace(checkpoint=dataclasses.replace(options.config, run_id=run_id))
         if disk_folder is not None:
-            options = options.replace(checkpoint=dataclasses.replace(options.config, disk_folder=os.fspath(disk_folder)))
+            folder = os.fspath(disk_folder)
+            options = options.replace(checkpoint=dataclasses.replace(options.config, disk_folder=folder))
         self._options = options
         self._user_fault_callback = fault_callback
         self._user_oob_fault_callback = oob_fault_callback

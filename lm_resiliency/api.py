@@ -108,4 +108,5 @@ def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, attach_op
                         f"supported options: {sorted(SUPPORTED_OPTIONS)}")
     if optimizer is None:
         raise TypeError("enable_resiliency: the pytorch adapter needs the optimizer as the second argument")
-    return PyTorchAdapter(obj, optimizer, skip_replication_if_hsdp=attach_options.config.skip_replication_if_hsdp, **options)
+    skip = attach_options.config.skip_replication_if_hsdp
+    return PyTorchAdapter(obj, optimizer, skip_replication_if_hsdp=skip, **options)

@@ -13,19 +13,16 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from lm_resiliency._values import is_int
 from lm_resiliency.adapter import FrameworkAdapter
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import SETTINGS_KEYS, ConfigError, InMemoryCkptConfig
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.certification import DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 from lm_resiliency.session import ResiliencySession
 
-# The arguments a DeepSpeed config's "lm_resiliency" section may fill (adapters.deepspeed).
-SECTION_FIELDS = ("interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "recovery_mode")
-
-
 def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptConfig],
-                    replay: Optional[ReplayHarnessConfig], where: str) -> Tuple[InMemoryCkptConfig, ReplayHarnessConfig]:
+                    replay: Optional[ReplayHarnessConfig],
+                    where: str) -> Tuple[InMemoryCkptConfig, ReplayHarnessConfig]:
     """(InMemoryCkptConfig, ReplayHarnessConfig) from a surface's `interval`, `checkpoint` and
     `replay` arguments: `interval`, when given, is the shared GEMINI capture and SCOUT check
     cadence. `where` names the surface in errors, e.g. "ResiliencyPlugin"."""
@@ -77,7 +74,8 @@ class AttachOptions:
         object.__setattr__(self, "replay_config", replay_config)
 
     @classmethod
-    def split(cls, arguments: Dict[str, Any], caller: str = "enable_resiliency") -> Tuple["AttachOptions", Dict[str, Any]]:
+    def split(cls, arguments: Dict[str, Any],
+              caller: str = "enable_resiliency") -> Tuple["AttachOptions", Dict[str, Any]]:
         """(the options among `arguments`, the rest: framework-specific arguments)."""
         names = {field.name for field in dataclasses.fields(cls) if field.init and field.name != "caller"}
         given = {name: value for name, value in arguments.items() if name in names}
@@ -90,7 +88,7 @@ class AttachOptions:
 
     def section_arguments(self) -> Dict[str, Any]:
         """The arguments a DeepSpeed config section may fill, as given (None: unset)."""
-        return {name: getattr(self, name) for name in SECTION_FIELDS}
+        return {name: getattr(self, name) for name in SETTINGS_KEYS}
 
     def session_arguments(self) -> Dict[str, Any]:
         mode = self.recovery_mode
