@@ -61,6 +61,8 @@ class DeepSpeedEngineHooks:
             if name in vars(engine):
                 raise RuntimeError(f"engine.{name} is already wrapped on this engine instance (is another "
                                    "lm-resiliency session attached? close() it first)")
+        if callbacks.skipped_optimizer_step is None:
+            raise TypeError("DeepSpeed engine hooks need a session that handles skipped (overflow) optimizer steps")
         self.adapter = adapter
         self.engine = engine
         self.callbacks = callbacks
@@ -100,7 +102,7 @@ class DeepSpeedEngineHooks:
         if self.managed_steps == 0 and self.adapter.recovered_step is None and session.step_count == 0:
             # Generation zero: the engine's counters were restored by the application's own loader.
             logger.info("lm-resiliency: step_count seeded from engine.global_steps=%d", global_steps)
-            session.step_count = global_steps
+            session.continue_from(global_steps)
             return
         raise RuntimeError(
             f"lm-resiliency: engine.global_steps is {global_steps} but the resiliency step count is "
@@ -131,10 +133,7 @@ class DeepSpeedEngineHooks:
         else:
             # Skipped (gradient overflow): parameters unchanged, counter advanced, nothing to capture;
             # SCOUT's out-of-band monitor still sees progress.
-            session = self._session()
-            session.step_count = after
-            if session.scout is not None:
-                session.scout.after_optimizer_step(after)
+            self.callbacks.skipped_optimizer_step()  # step_count -> global_steps (checked aligned above)
         return result
 
     # ------------------------------------------------------- load_checkpoint
@@ -157,7 +156,7 @@ class DeepSpeedEngineHooks:
         result = self._original_load(*args, **kwargs)
         load_path = result[0] if isinstance(result, tuple) and result else result
         if load_path is not None:
-            session.step_count = int(self.engine.global_steps)
+            session.continue_from(int(self.engine.global_steps))
             logger.info("lm-resiliency: DeepSpeed checkpoint %s loaded before the first managed step; step_count "
                         "seeded from engine.global_steps=%d", load_path, session.step_count)
         return result

@@ -183,7 +183,7 @@ class ResiliencyCallback(*_callback_bases()):
         self.adapter.on_train_start()
         if self.session.recovered_from != "gemini":
             # Fresh, or Lightning loaded a ckpt_path (the durable fallback): count from its step.
-            self.session.step_count = int(trainer.global_step)
+            self.session.continue_from(int(trainer.global_step))
         self._last_global_step = int(trainer.global_step)
         self._window_open = False
         if self.recovered_step is not None:
@@ -212,14 +212,14 @@ class ResiliencyCallback(*_callback_bases()):
                 self.adapter.step_callbacks.after_optimizer_step()
             self._last_global_step = step
             self._window_open = False
-            if session.manager is not None and session.step_count % session.config.interval == 0:
+            if session.capture_due():
                 self.adapter.mark_boundary()
         if self._log_metrics:
             self._log_findings(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.session is not None and self.session.manager is not None:
-            self.captured_step = self.session.manager.latest_step
+        if self.session is not None:
+            self.captured_step = self.session.latest_gemini_step
 
     # -------------------------------------------------------------- teardown
 
@@ -231,7 +231,7 @@ class ResiliencyCallback(*_callback_bases()):
             step = session.flush_for_restart()
             logger.warning("lm-resiliency: %s during fit; GEMINI step %d is on node-local disk for the restart",
                            type(exception).__name__, step)
-        except Exception:  # noqa: BLE001 - the training exception must surface, not this one
+        except Exception:  # the training exception must surface, not this one
             logger.exception("lm-resiliency: flushing GEMINI state after %s failed", type(exception).__name__)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -263,10 +263,10 @@ class ResiliencyCallback(*_callback_bases()):
         if result is not None and result is not self._logged_result:
             self._logged_result = result
             metrics.update(replay_metrics(result))
-        manager = self.session.manager
-        if manager is not None and manager.latest_step != self._logged_gemini_step and manager.latest_step >= 0:
-            self._logged_gemini_step = manager.latest_step
-            metrics["gemini_captured_step"] = float(manager.latest_step)
+        captured = self.session.latest_gemini_step
+        if captured != self._logged_gemini_step and captured >= 0:
+            self._logged_gemini_step = captured
+            metrics["gemini_captured_step"] = float(captured)
         with self._oob_lock:
             reports, self._oob_reports = self._oob_reports, []
         if reports:

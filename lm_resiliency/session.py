@@ -363,6 +363,23 @@ class ResiliencySession:
                      "rng": pending["rng"], "extra": extra, "step": pending["step"]}
             self.manager.save(state, pending["step"])
 
+    # ------------------------------------------------- what framework surfaces read
+
+    @property
+    def latest_gemini_step(self) -> int:
+        """The newest step GEMINI holds a capture of (-1: none yet, or GEMINI is off)."""
+        return self.manager.latest_step if self.manager is not None else -1
+
+    def capture_due(self) -> bool:
+        """Whether the step just counted is a GEMINI capture boundary."""
+        return self._capture_due()
+
+    def continue_from(self, step: int) -> None:
+        """Count on from `step`: the framework restored its own step counter (its checkpoint was
+        loaded instead of GEMINI state), and `step_count` follows it."""
+        with self._lock:
+            self.step_count = int(step)
+
     # -------------------------------------------------------------- lifecycle
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
