@@ -12,7 +12,7 @@ comma := ,
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: venv test test-slow demo bench clean
+.PHONY: venv lint test test-slow demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
 
 venv: $(STAMP)
 
-test: venv
+# Lint and type check first (seconds), then the suite.
+test: venv lint
 	$(PY) -m pytest -q
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow

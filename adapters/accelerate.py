@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -44,6 +43,7 @@ from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 from lm_resiliency.config import DATALOADER_RESUME_MODES
+from lm_resiliency.session import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -90,24 +90,6 @@ def _tracked_iter(self):
     yield from tracker.iterate(base_iter)
 
 
-def _global_rng_state() -> tuple:
-    state: tuple = (torch.get_rng_state(), random.getstate())
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    return state + (np.random.get_state(),)
-
-
-def _set_global_rng_state(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    random.setstate(state[1])
-    if len(state) > 2:
-        import numpy as np
-
-        np.random.set_state(state[2])
-
-
 class _RngNeutralIterator:
     """Wraps a fresh DataLoader iterator so that creating it and fetching its first batch leave the
     global RNG streams untouched. In the interrupted run both happened before the capture (the
@@ -115,7 +97,7 @@ class _RngNeutralIterator:
     state already includes them; doing them again on resume would shift every later draw."""
 
     def __init__(self, make_iterator: Callable[[], Any]) -> None:
-        saved = _global_rng_state()
+        saved = capture_rng()
         try:
             self._iterator = make_iterator()
             self._first = next(self._iterator)
@@ -123,7 +105,7 @@ class _RngNeutralIterator:
         except StopIteration:
             self._exhausted = True
         finally:
-            _set_global_rng_state(saved)
+            restore_rng(saved)
         self._saved = saved
 
     def __iter__(self):
@@ -345,7 +327,8 @@ class AccelerateLoopState:
             self._micro_step = int(self.accelerator.step)
             callbacks.after_optimizer_step()
 
-        return StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step, callbacks.before_forward)
+        return StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step, callbacks.before_forward,
+                             callbacks.skipped_optimizer_step)
 
     def state(self) -> Dict[str, Any]:
         acc = self.accelerator

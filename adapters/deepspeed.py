@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.attach import AttachOptions
 from lm_resiliency.config import read_settings
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,11 @@ def apply_config_section(engine: Any, arguments: Dict[str, Any]) -> Dict[str, An
         else:
             logger.info("lm-resiliency: enable_resiliency(%s=...) overrides the DeepSpeed config section", key)
     return merged
+
+
+def with_config_section(engine: Any, options: AttachOptions) -> AttachOptions:
+    """`options` with the engine config section applied (`apply_config_section`), checked again."""
+    return options.replace(**apply_config_section(engine, options.section_arguments()))
 
 
 # ---------------------------------------------------------------- state conversion

@@ -38,8 +38,8 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from lm_resiliency.config import (DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig, ResiliencyPolicy,
-                                  resolve_configs)
+from lm_resiliency.attach import AttachOptions, attach
+from lm_resiliency.config import DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig, ResiliencyPolicy
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.session import ResiliencySession
@@ -73,16 +73,15 @@ class ResiliencyPlugin:
         if resume_dataloaders not in DATALOADER_RESUME_MODES:
             raise ValueError(f"ResiliencyPlugin(resume_dataloaders=...): must be one of {DATALOADER_RESUME_MODES}, "
                              f"got {resume_dataloaders!r}")
-        self._given = dict(interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
-                           enable_detection=enable_detection,
-                           recovery_mode=RecoveryMode(recovery_mode) if recovery_mode is not None else None)
         # Checked now, not at attach; the DeepSpeed config section may still fill unset ones there.
-        self.checkpoint, self.replay = resolve_configs(interval, checkpoint, replay, "ResiliencyPlugin")
+        self.options = AttachOptions(
+            interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
+            enable_detection=enable_detection, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+            load_fallback=load_fallback, recovery_mode=recovery_mode, orchestration=orchestration,
+            fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
+            durable_checkpoint=durable_checkpoint, caller="ResiliencyPlugin")
+        self.checkpoint, self.replay = self.options.config, self.options.replay_config
         self.resume_dataloaders = resume_dataloaders
-        self._session_options = dict(
-            extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn, load_fallback=load_fallback,
-            orchestration=orchestration, fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
-            durable_checkpoint=durable_checkpoint)
         self.session: Optional[ResiliencySession] = None
         self.adapter: Any = None
         self.accelerator: Any = None
@@ -106,39 +105,19 @@ class ResiliencyPlugin:
         if owner is not None and owner.session is not None:
             raise RuntimeError("lm-resiliency is already attached to this Accelerator "
                                f"({'by the LM_RESILIENCY flag' if owner.from_flag else 'by another plugin'})")
-        settings = dict(self._given)
-        deepspeed = uses_deepspeed(accelerator)
-        if deepspeed:
-            from lm_resiliency.adapters.deepspeed import apply_config_section
+        options = self.options
+        if uses_deepspeed(accelerator):
+            from lm_resiliency.adapters.deepspeed import with_config_section
+            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks, recover_bound
 
-            settings = apply_config_section(accelerator._models[0], settings)
-        checkpoint, replay = resolve_configs(settings["interval"], settings["checkpoint"], settings["replay"],
-                                         "ResiliencyPlugin")
-        if deepspeed:
-            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks
-
+            options = with_config_section(accelerator._models[0], options)
             adapter: Any = AccelerateDeepSpeedAdapter(accelerator, hooks=DeepSpeedEngineHooks,
                                                       resume_dataloaders=self.resume_dataloaders)
+            session = attach(adapter, options, recover=recover_bound(adapter))
         else:
             adapter = AccelerateAdapter(accelerator, resume_dataloaders=self.resume_dataloaders,
-                                        skip_replication_if_hsdp=checkpoint.skip_replication_if_hsdp)
-        mode = settings["recovery_mode"]
-        try:
-            session = ResiliencySession(adapter, checkpoint=checkpoint, replay=replay,
-                                        enable_checkpoint=settings["enable_checkpoint"],
-                                        enable_detection=settings["enable_detection"],
-                                        recovery_mode=RecoveryMode(mode) if mode is not None else None,
-                                        **self._session_options)
-        except BaseException:
-            adapter.remove()
-            raise
-        if deepspeed:
-            adapter.bind_session(session)  # step_count follows engine.global_steps; load_checkpoint guard
-        try:
-            session.recover()
-        except BaseException:
-            session.close()
-            raise
+                                        skip_replication_if_hsdp=options.config.skip_replication_if_hsdp)
+            session = attach(adapter, options)
         self.session, self.adapter, self.accelerator = session, adapter, accelerator
         accelerator.__dict__[_ATTR] = self
         if session.recovered_from is not None:

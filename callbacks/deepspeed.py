@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lm_resiliency.adapter import StepCallbacks
-from lm_resiliency.adapters.deepspeed import SUPPORTED_OPTIONS, DeepSpeedAdapter
+from lm_resiliency.adapters.deepspeed import SUPPORTED_OPTIONS, DeepSpeedAdapter, with_config_section
+from lm_resiliency.attach import AttachOptions, attach
+from lm_resiliency.session import ResiliencySession
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class DeepSpeedEngineHooks:
             if name in vars(engine):
                 raise RuntimeError(f"engine.{name} is already wrapped on this engine instance (is another "
                                    "lm-resiliency session attached? close() it first)")
+        if callbacks.skipped_optimizer_step is None:
+            raise TypeError("DeepSpeed engine hooks need a session that handles skipped (overflow) optimizer steps")
         self.adapter = adapter
         self.engine = engine
         self.callbacks = callbacks
@@ -98,7 +102,7 @@ class DeepSpeedEngineHooks:
         if self.managed_steps == 0 and self.adapter.recovered_step is None and session.step_count == 0:
             # Generation zero: the engine's counters were restored by the application's own loader.
             logger.info("lm-resiliency: step_count seeded from engine.global_steps=%d", global_steps)
-            session.step_count = global_steps
+            session.continue_from(global_steps)
             return
         raise RuntimeError(
             f"lm-resiliency: engine.global_steps is {global_steps} but the resiliency step count is "
@@ -129,10 +133,7 @@ class DeepSpeedEngineHooks:
         else:
             # Skipped (gradient overflow): parameters unchanged, counter advanced, nothing to capture;
             # SCOUT's out-of-band monitor still sees progress.
-            session = self._session()
-            session.step_count = after
-            if session.scout is not None:
-                session.scout.after_optimizer_step(after)
+            self.callbacks.skipped_optimizer_step()  # step_count -> global_steps (checked aligned above)
         return result
 
     # ------------------------------------------------------- load_checkpoint
@@ -155,7 +156,7 @@ class DeepSpeedEngineHooks:
         result = self._original_load(*args, **kwargs)
         load_path = result[0] if isinstance(result, tuple) and result else result
         if load_path is not None:
-            session.step_count = int(self.engine.global_steps)
+            session.continue_from(int(self.engine.global_steps))
             logger.info("lm-resiliency: DeepSpeed checkpoint %s loaded before the first managed step; step_count "
                         "seeded from engine.global_steps=%d", load_path, session.step_count)
         return result
@@ -189,7 +190,7 @@ class DeepSpeedEngineHooks:
 
 
 def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = None) -> DeepSpeedAdapter:
-    """The DeepSpeed adapter with these hooks; `enable_resiliency` dispatches DeepSpeed engines here."""
+    """The DeepSpeed adapter with these hooks."""
     if optimizer is not None:
         raise TypeError("enable_resiliency: DeepSpeed owns its optimizer; pass only the engine "
                         "(enable_resiliency(engine, interval=...))")
@@ -201,14 +202,33 @@ def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = 
     return DeepSpeedAdapter(engine, hooks=DeepSpeedEngineHooks)
 
 
-def register_resiliency_hooks(engine: Any, **kwargs: Any) -> Any:
+def recover_bound(adapter: DeepSpeedAdapter) -> Callable[[ResiliencySession], None]:
+    """`attach`'s recover step for a DeepSpeed adapter: bind the session first (its step_count
+    follows engine.global_steps; the load_checkpoint guard reads it), then recover."""
+    def recover(session: ResiliencySession) -> None:
+        adapter.bind_session(session)
+        session.recover()
+
+    return recover
+
+
+def attach_engine(engine: Any, options: AttachOptions, optimizer: Any = None,
+                  framework_options: Optional[dict] = None) -> ResiliencySession:
+    """Attach to a DeepSpeed engine; `enable_resiliency` dispatches DeepSpeed engines here. The
+    engine config's optional "lm_resiliency" section fills the arguments left unset."""
+    options = with_config_section(engine, options)
+    adapter = build_adapter(engine, optimizer, framework_options)
+    return attach(adapter, options, recover=recover_bound(adapter))
+
+
+def register_resiliency_hooks(engine: Any, **kwargs: Any) -> ResiliencySession:
     """Attach lm-resiliency to a DeepSpeed engine; same as `enable_resiliency(engine, **kwargs)`.
 
     Call on every rank after `deepspeed.initialize()`, before the training loop. Returns the
     session; `session.step_count` (== `engine.global_steps`) is the resume point."""
-    from lm_resiliency.api import enable_resiliency
+    options, rest = AttachOptions.split(kwargs)
+    optimizer = rest.pop("optimizer", None)
+    return attach_engine(engine, options, optimizer, rest)
 
-    return enable_resiliency(engine, framework="deepspeed", **kwargs)
 
-
-__all__ = ["DeepSpeedEngineHooks", "build_adapter", "register_resiliency_hooks"]
+__all__ = ["DeepSpeedEngineHooks", "attach_engine", "build_adapter", "recover_bound", "register_resiliency_hooks"]

@@ -31,7 +31,8 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-from lm_resiliency.config import InMemoryCkptConfig, ResiliencyPolicy, resolve_configs
+from lm_resiliency.attach import AttachOptions, attach
+from lm_resiliency.config import InMemoryCkptConfig, ResiliencyPolicy
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
@@ -85,18 +86,17 @@ class ResiliencyCallback(*_callback_bases()):
                             ("log_metrics", log_metrics)):
             if not isinstance(value, bool):
                 raise TypeError(f"ResiliencyCallback({name}=...): must be True or False, got {value!r}")
-        config, replay_config = resolve_configs(interval, checkpoint, replay, "ResiliencyCallback")
+        options = AttachOptions(
+            interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
+            enable_detection=enable_detection, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
+            recovery_mode=recovery_mode, orchestration=orchestration, durable_checkpoint=durable_checkpoint,
+            fault_callback=self._on_replay_fault, oob_fault_callback=self._on_oob_fault, caller="ResiliencyCallback")
         if run_id is not None:
-            config = dataclasses.replace(config, run_id=run_id)
+            options = options.replace(checkpoint=dataclasses.replace(options.config, run_id=run_id))
         if disk_folder is not None:
-            config = dataclasses.replace(config, disk_folder=os.fspath(disk_folder))
-        self._config = config
-        self._replay = replay_config
-        self._session_options = dict(
-            enable_checkpoint=enable_checkpoint, enable_detection=enable_detection,
-            extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-            recovery_mode=RecoveryMode(recovery_mode) if recovery_mode is not None else None,
-            orchestration=orchestration, durable_checkpoint=durable_checkpoint)
+            folder = os.fspath(disk_folder)
+            options = options.replace(checkpoint=dataclasses.replace(options.config, disk_folder=folder))
+        self._options = options
         self._user_fault_callback = fault_callback
         self._user_oob_fault_callback = oob_fault_callback
         self._log_metrics = log_metrics
@@ -120,7 +120,7 @@ class ResiliencyCallback(*_callback_bases()):
 
     @property
     def config(self) -> InMemoryCkptConfig:
-        return self._config
+        return self._options.config
 
     def __getstate__(self) -> dict:
         # ddp_spawn pickles the Trainer with its callbacks; a live session never travels.
@@ -159,28 +159,23 @@ class ResiliencyCallback(*_callback_bases()):
         self._close_session()
         self._reset_run_state()
         self.recovered_step = None
-        config = self._config
-        adapter = LightningAdapter(trainer, skip_replication_if_hsdp=config.skip_replication_if_hsdp)
-        session = ResiliencySession(adapter, checkpoint=config, replay=self._replay,
-                                    fault_callback=self._on_replay_fault, oob_fault_callback=self._on_oob_fault,
-                                    **self._session_options)
-        self.session, self.adapter = session, adapter
+        adapter = LightningAdapter(trainer, skip_replication_if_hsdp=self.config.skip_replication_if_hsdp)
+        self.session = attach(adapter, self._options, recover=lambda session: self._recover(trainer, session, adapter))
+        self.adapter = adapter
+
+    def _recover(self, trainer: Any, session: ResiliencySession, adapter: Any) -> None:
         self.topology = adapter.topology()
-        try:
-            if int(trainer.global_step) > 0:
-                # A second fit() on a live Trainer continues from its in-memory state, which is
-                # newer than anything GEMINI holds.
-                logger.info("lm-resiliency: continuing the live Trainer at global_step %d; no recovery",
-                            trainer.global_step)
-            else:
-                with session.checkpoint_io("read", name="gemini_recover"):
-                    step = session.recover()
-                if session.recovered_from == "gemini":
-                    adapter.hand_to_lightning()
-                    self.recovered_step = step
-        except BaseException:
-            self._close_session()
-            raise
+        if int(trainer.global_step) > 0:
+            # A second fit() on a live Trainer continues from its in-memory state, which is
+            # newer than anything GEMINI holds.
+            logger.info("lm-resiliency: continuing the live Trainer at global_step %d; no recovery",
+                        trainer.global_step)
+            return
+        with session.checkpoint_io("read", name="gemini_recover"):
+            step = session.recover()
+        if session.recovered_from == "gemini":
+            adapter.hand_to_lightning()
+            self.recovered_step = step
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.session is None:
@@ -188,7 +183,7 @@ class ResiliencyCallback(*_callback_bases()):
         self.adapter.on_train_start()
         if self.session.recovered_from != "gemini":
             # Fresh, or Lightning loaded a ckpt_path (the durable fallback): count from its step.
-            self.session.step_count = int(trainer.global_step)
+            self.session.continue_from(int(trainer.global_step))
         self._last_global_step = int(trainer.global_step)
         self._window_open = False
         if self.recovered_step is not None:
@@ -217,14 +212,14 @@ class ResiliencyCallback(*_callback_bases()):
                 self.adapter.step_callbacks.after_optimizer_step()
             self._last_global_step = step
             self._window_open = False
-            if session.manager is not None and session.step_count % session.config.interval == 0:
+            if session.capture_due():
                 self.adapter.mark_boundary()
         if self._log_metrics:
             self._log_findings(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.session is not None and self.session.manager is not None:
-            self.captured_step = self.session.manager.latest_step
+        if self.session is not None:
+            self.captured_step = self.session.latest_gemini_step
 
     # -------------------------------------------------------------- teardown
 
@@ -236,7 +231,7 @@ class ResiliencyCallback(*_callback_bases()):
             step = session.flush_for_restart()
             logger.warning("lm-resiliency: %s during fit; GEMINI step %d is on node-local disk for the restart",
                            type(exception).__name__, step)
-        except Exception:  # noqa: BLE001 - the training exception must surface, not this one
+        except Exception:  # the training exception must surface, not this one
             logger.exception("lm-resiliency: flushing GEMINI state after %s failed", type(exception).__name__)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -268,10 +263,10 @@ class ResiliencyCallback(*_callback_bases()):
         if result is not None and result is not self._logged_result:
             self._logged_result = result
             metrics.update(replay_metrics(result))
-        manager = self.session.manager
-        if manager is not None and manager.latest_step != self._logged_gemini_step and manager.latest_step >= 0:
-            self._logged_gemini_step = manager.latest_step
-            metrics["gemini_captured_step"] = float(manager.latest_step)
+        captured = self.session.latest_gemini_step
+        if captured != self._logged_gemini_step and captured >= 0:
+            self._logged_gemini_step = captured
+            metrics["gemini_captured_step"] = float(captured)
         with self._oob_lock:
             reports, self._oob_reports = self._oob_reports, []
         if reports:

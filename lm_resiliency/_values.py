@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import threading
+from datetime import timedelta
+
+# The longest wait every consumer of a time value accepts: threading waits (TIMEOUT_MAX) and
+# datetime.timedelta (process-group and collective timeouts). Longer values overflow later.
+MAX_SECONDS = float(min(threading.TIMEOUT_MAX, timedelta.max.total_seconds()))
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and the accepted values."""
+
 
 def is_int(value: object) -> bool:
     """A true int: `bool` is an int subclass in Python, but True is never a step, rank or size."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_seconds(value: object, *, allow_zero: bool = False) -> bool:
+    """A real number of seconds that every wait accepts: finite, > 0 (>= 0 with `allow_zero`)
+    and at most MAX_SECONDS."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS)

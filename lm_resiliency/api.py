@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Dict, Optional
 
-from lm_resiliency.config import InMemoryCkptConfig, resolve_configs
+from lm_resiliency.adapter import FrameworkAdapter
+from lm_resiliency.attach import AttachOptions, attach
+from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.certification import DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig
@@ -72,44 +74,32 @@ def enable_resiliency(
     objects exist and before the training loop. The newest recoverable state is loaded before
     this returns; `session.step_count` is the resume point."""
     selected = FrameworkName(framework) if framework is not None else infer_framework(model_or_trainer_or_engine)
-    if selected is FrameworkName.DEEPSPEED:
-        # An optional "lm_resiliency" section of the engine's DeepSpeed config fills arguments left at defaults.
-        from lm_resiliency.adapters.deepspeed import apply_config_section
-
-        section = apply_config_section(model_or_trainer_or_engine, dict(
-            interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
-            enable_detection=enable_detection, recovery_mode=recovery_mode))
-        interval, checkpoint, replay = section["interval"], section["checkpoint"], section["replay"]
-        enable_checkpoint, enable_detection = section["enable_checkpoint"], section["enable_detection"]
-        recovery_mode = section["recovery_mode"]
-    config, replay_config = resolve_configs(interval, checkpoint, replay, "enable_resiliency")
-    mode = RecoveryMode(recovery_mode) if recovery_mode is not None else None
-    adapter = _build_adapter(selected, model_or_trainer_or_engine, optimizer, config, framework_options)
-    session = ResiliencySession(
-        adapter, checkpoint=config, replay=replay_config, enable_checkpoint=enable_checkpoint,
+    options = AttachOptions(
+        interval=interval, checkpoint=checkpoint, replay=replay, enable_checkpoint=enable_checkpoint,
         enable_detection=enable_detection, extra_state_fn=extra_state_fn, load_extra_state_fn=load_extra_state_fn,
-        load_fallback=load_fallback, recovery_mode=mode, orchestration=orchestration,
-        fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
-        durable_checkpoint=durable_checkpoint)
-    if selected is FrameworkName.DEEPSPEED:
-        adapter.bind_session(session)  # step_count follows engine.global_steps; load_checkpoint guard
-    try:
-        session.recover()
-    except BaseException:
-        session.close()
-        raise
-    return session
+        load_fallback=load_fallback, recovery_mode=recovery_mode, orchestration=orchestration,
+        fault_callback=fault_callback, oob_fault_callback=oob_fault_callback, durable_checkpoint=durable_checkpoint)
+    return attach_framework(selected, model_or_trainer_or_engine, optimizer, options, framework_options)
 
 
-def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, config: InMemoryCkptConfig,
-                   options: Dict[str, Any]):
+def attach_framework(framework: FrameworkName, obj: Any, optimizer: Any, options: AttachOptions,
+                     framework_options: Dict[str, Any]) -> ResiliencySession:
+    """`enable_resiliency` once its arguments are one `AttachOptions`: dispatch to the framework's
+    surface, or build its adapter and attach."""
     if framework in _NOT_YET:
         raise TypeError(f"enable_resiliency: {_NOT_YET[framework]} was given, but the {framework.value} "
                         "adapter is not available in this release; use the PyTorch objects it wraps")
     if framework is FrameworkName.DEEPSPEED:
-        from lm_resiliency.callbacks.deepspeed import build_adapter
+        from lm_resiliency.callbacks.deepspeed import attach_engine
 
-        return build_adapter(obj, optimizer, options)
+        return attach_engine(obj, options, optimizer, framework_options)
+    adapter = _build_adapter(framework, obj, optimizer, options, framework_options)
+    return attach(adapter, options)
+
+
+def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, attach_options: AttachOptions,
+                   options: Dict[str, Any]) -> FrameworkAdapter:
+    """The adapter for `framework` (the PyTorch one; each new framework adds its branch here)."""
     from lm_resiliency.adapters.pytorch import SUPPORTED_OPTIONS, PyTorchAdapter
 
     unsupported = sorted(set(options) - SUPPORTED_OPTIONS)
@@ -118,4 +108,5 @@ def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, config: I
                         f"supported options: {sorted(SUPPORTED_OPTIONS)}")
     if optimizer is None:
         raise TypeError("enable_resiliency: the pytorch adapter needs the optimizer as the second argument")
-    return PyTorchAdapter(obj, optimizer, skip_replication_if_hsdp=config.skip_replication_if_hsdp, **options)
+    skip = attach_options.config.skip_replication_if_hsdp
+    return PyTorchAdapter(obj, optimizer, skip_replication_if_hsdp=skip, **options)

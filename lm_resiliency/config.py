@@ -6,35 +6,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
+# ConfigError, MAX_SECONDS and is_seconds live in _values so SCOUT's config shares them without
+# importing this module; they stay importable from here.
+from lm_resiliency._values import MAX_SECONDS, ConfigError, is_seconds
 from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.files import loads_strict_json
 
 _MIB = 1024 * 1024
 DEFAULT_REAP_OTHER_RUNS_AFTER_S = 24 * 3600.0
-# The longest wait every consumer of a time value accepts: threading waits (TIMEOUT_MAX) and
-# datetime.timedelta (process-group and collective timeouts). Longer values overflow later.
-MAX_SECONDS = float(min(threading.TIMEOUT_MAX, timedelta.max.total_seconds()))
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the field and the accepted values."""
 
 
 def _require(condition: bool, cls: str, field: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{cls}.{field}: {message}")
-
-
-def is_seconds(value: object, *, allow_zero: bool = False) -> bool:
-    """A real number of seconds that every wait accepts: finite, > 0 (>= 0 with `allow_zero`)
-    and at most MAX_SECONDS."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and (value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -104,28 +91,6 @@ class InMemoryCkptConfig:
                  and not math.isnan(self.reap_other_runs_after_s) and self.reap_other_runs_after_s >= 0,
                  name, "reap_other_runs_after_s",
                  f"must be a number of seconds >= 0 (math.inf: never), got {self.reap_other_runs_after_s!r}")
-
-
-def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptConfig], replay: Any,
-                    where: str) -> Tuple[InMemoryCkptConfig, Any]:
-    """(InMemoryCkptConfig, ReplayHarnessConfig) from a framework surface's `interval`, `checkpoint`
-    and `replay` arguments: `interval`, when given, is the shared GEMINI capture and SCOUT check
-    cadence. `where` names the surface in errors, e.g. "ResiliencyPlugin"."""
-    from lm_resiliency.scout.config import ReplayHarnessConfig
-
-    if interval is not None and (not _is_int(interval) or interval < 1):
-        raise ConfigError(f"{where}(interval=...): must be a positive int number of optimizer steps, "
-                          f"got {interval!r}")
-    config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
-    if not isinstance(config, InMemoryCkptConfig):
-        raise TypeError(f"{where}(checkpoint=...): expected an InMemoryCkptConfig, got {type(config).__name__}")
-    replay_config = replay if replay is not None else ReplayHarnessConfig()
-    if not isinstance(replay_config, ReplayHarnessConfig):
-        raise TypeError(f"{where}(replay=...): expected a ReplayHarnessConfig, got {type(replay_config).__name__}")
-    if interval is not None:
-        config = dataclasses.replace(config, interval=interval)
-        replay_config = dataclasses.replace(replay_config, check_interval=interval)
-    return config, replay_config
 
 
 # ------------------------------------------------------------------ settings and the opt-in policy

@@ -133,7 +133,7 @@ class ResiliencySession:
             if enable_detection:
                 model, optimizer = adapter.replay_targets()
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
-                                          topology=topology)
+                                          topology=topology.descriptor)
                 if self.manager is not None:
                     self.scout.exclude_groups(self.manager.process_group)
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
@@ -368,6 +368,23 @@ class ResiliencySession:
             state = {"framework": self.adapter.framework_state(), "deferred": self.adapter.deferred_state(),
                      "rng": pending["rng"], "extra": extra, "step": pending["step"]}
             self.manager.save(state, pending["step"])
+
+    # ------------------------------------------------- what framework surfaces read
+
+    @property
+    def latest_gemini_step(self) -> int:
+        """The newest step GEMINI holds a capture of (-1: none yet, or GEMINI is off)."""
+        return self.manager.latest_step if self.manager is not None else -1
+
+    def capture_due(self) -> bool:
+        """Whether the step just counted is a GEMINI capture boundary."""
+        return self._capture_due()
+
+    def continue_from(self, step: int) -> None:
+        """Count on from `step`: the framework restored its own step counter (its checkpoint was
+        loaded instead of GEMINI state), and `step_count` follows it."""
+        with self._lock:
+            self.step_count = int(step)
 
     # -------------------------------------------------------------- lifecycle
 

@@ -1,4 +1,5 @@
-"""The wheel installs everything under lm_resiliency/ (adapters and callbacks included) and nothing else."""
+"""The wheel installs everything under lm_resiliency/ (adapters and callbacks included, and the py.typed
+marker) and nothing else."""
 
 import os
 import subprocess
@@ -32,3 +33,4 @@ def test_wheel_contains_every_package_and_nothing_at_the_top(tmp_path):
     assert all(t == "lm_resiliency" or t.startswith("lm_resiliency-") for t in tops), tops
     packaged = {os.path.dirname(n).replace("/", ".") for n in names if n.endswith("/__init__.py")}
     assert packaged == _source_packages()
+    assert "lm_resiliency/py.typed" in names  # PEP 561: downstream type checkers read our annotations

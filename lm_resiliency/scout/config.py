@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lm_resiliency._values import is_int
-from lm_resiliency.config import MAX_SECONDS, ConfigError, is_seconds
+from lm_resiliency._values import MAX_SECONDS, ConfigError, is_int, is_seconds
 
 # The probe is a third of a check's cost and a slow link is a throughput problem, not a
 # correctness one: by default it runs at every 5th check, which keeps its amortized cost a fifth

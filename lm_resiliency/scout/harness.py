@@ -16,13 +16,12 @@ import contextlib
 import itertools
 import logging
 import socket
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
-from lm_resiliency.adapter import Topology
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
@@ -59,7 +58,7 @@ class ScoutHarness:
     """Collective to construct (creates gloo subgroups in the same order on every rank)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ReplayHarnessConfig, *,
-                 on_oob_report: Callable[[SCOUTFaultReport], None], topology: Optional[Topology] = None,
+                 on_oob_report: Callable[[SCOUTFaultReport], None], topology: Optional[Mapping[str, Any]] = None,
                  probe_collectives: bool = True) -> None:
         self.config = config
         self.beacon = ProgressBeacon()
@@ -78,7 +77,7 @@ class ScoutHarness:
         group_ranks = [self.rank]
         replay_group = None
         try:
-            peer_groups = peer_groups_from_topology(dict(topology.descriptor) if topology else {}, self.world_size,
+            peer_groups = peer_groups_from_topology(dict(topology) if topology else {}, self.world_size,
                                                     _parameter_mesh(model))
         except UnknownLayoutError as exc:
             # Every rank sees the same layout, so every rank skips the group creation below alike.

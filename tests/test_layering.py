@@ -1,0 +1,150 @@
+"""The package's import direction, read with `ast` (no module is imported, torch is not needed).
+
+Layers, highest first; a module may import its own layer or lower ones, never a higher one:
+
+    surface   lm_resiliency (root), api, integrations.*, experimental, callbacks.*
+    adapters  adapters.*
+    session   session, attach, adapter (the framework contract), cleanup, faults.*
+    engine    gemini.*, scout.*, manager_api.*  (gemini and scout never import each other)
+    core      wire, codec, files, config, tensor_bytes, recovery, _values
+
+Imports inside functions count as much as module-level ones, and no two modules may import each
+other, directly or through others (a cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, Iterator, List, Set, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+# adapters/ and callbacks/ live at the top of the repository and install inside lm_resiliency.
+SOURCES = {"lm_resiliency": ROOT / "lm_resiliency", "lm_resiliency.adapters": ROOT / "adapters",
+           "lm_resiliency.callbacks": ROOT / "callbacks"}
+
+LAYERS = ("core", "engine", "session", "adapters", "surface")
+_PREFIXES = (
+    ("lm_resiliency.callbacks", "surface"), ("lm_resiliency.integrations", "surface"),
+    ("lm_resiliency.api", "surface"), ("lm_resiliency.experimental", "surface"),
+    ("lm_resiliency.adapters", "adapters"),
+    ("lm_resiliency.session", "session"), ("lm_resiliency.attach", "session"),
+    ("lm_resiliency.adapter", "session"), ("lm_resiliency.cleanup", "session"),
+    ("lm_resiliency.faults", "session"),
+    ("lm_resiliency.gemini", "engine"), ("lm_resiliency.scout", "engine"),
+    ("lm_resiliency.manager_api", "engine"),
+)
+CORE = {"lm_resiliency.wire", "lm_resiliency.codec", "lm_resiliency.files", "lm_resiliency.config",
+        "lm_resiliency.tensor_bytes", "lm_resiliency.recovery", "lm_resiliency._values"}
+# scout/certification.py decides whether a durable checkpoint can be trusted, and reads GEMINI's
+# storage to do it: the bridge until the `trust/` package is split out of it (follow-up work).
+ALLOWED = {("lm_resiliency.scout.certification", "lm_resiliency.gemini"),
+           # config.read_settings builds the ReplayHarnessConfig of a policy file (a lazy import); the
+           # follow-up moves the settings reader up to the session layer, next to attach.py.
+           ("lm_resiliency.config", "lm_resiliency.scout.config")}
+
+
+def modules() -> Dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer(module: str) -> str:
+    if module == "lm_resiliency":
+        return "surface"
+    if module in CORE:
+        return "core"
+    for prefix, name in _PREFIXES:
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    raise AssertionError(f"{module} is in no layer: add it to tests/test_layering.py (and docs/architecture.md)")
+
+
+def imports(module: str, path: Path, known: Set[str]) -> Iterator[Tuple[str, int]]:
+    """(imported lm_resiliency module, line) for every import in the file, nested ones included."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the submodule; `from mod import name` the module.
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "lm_resiliency" or name.startswith("lm_resiliency."):
+                while name not in known:
+                    name = name.rpartition(".")[0]
+                yield name, node.lineno
+
+
+def graph() -> Dict[str, Dict[str, int]]:
+    found = modules()
+    known = set(found)
+    edges: Dict[str, Dict[str, int]] = {}
+    for module, path in found.items():
+        edges[module] = {}
+        for target, line in imports(module, path, known):
+            if target != module and not module.startswith(target + "."):  # a package's own __init__
+                edges[module].setdefault(target, line)
+    return edges
+
+
+def _allowed(source: str, target: str) -> bool:
+    return any(source == a and (target == b or target.startswith(b + ".")) for a, b in ALLOWED)
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    wrong: List[str] = []
+    for source, targets in sorted(graph().items()):
+        for target, line in sorted(targets.items()):
+            if LAYERS.index(layer(target)) > LAYERS.index(layer(source)) and not _allowed(source, target):
+                wrong.append(f"{source}:{line} ({layer(source)}) imports {target} ({layer(target)})")
+    assert not wrong, "imports against the layer direction:\n" + "\n".join(wrong)
+
+
+def test_gemini_and_scout_do_not_import_each_other() -> None:
+    wrong = [f"{source}:{line} imports {target}" for source, targets in sorted(graph().items())
+             for target, line in sorted(targets.items())
+             for a, b in (("gemini", "scout"), ("scout", "gemini"))
+             if source.startswith(f"lm_resiliency.{a}") and target.startswith(f"lm_resiliency.{b}")
+             and not _allowed(source, target)]
+    assert not wrong, "GEMINI and SCOUT are separate engines:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    cycles: List[str] = []
+    state: Dict[str, int] = {}  # 1 on the current path, 2 finished
+    path: List[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, {})):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in modules():
+        assert layer(module) in LAYERS
