@@ -98,9 +98,10 @@ class ScoutHarness:
                 logger.warning("SCOUT: replay checks disabled: %s", exc)
             else:
                 cover = self.detector.coverage()
+                missing = f"; not reached: {cover['uncovered'][:8]}" if cover["uncovered"] else ""
                 logger.info("SCOUT: one rotation (%d checks, %d steps) replays %.1f%% of the parameters "
                             "(%.1f%% of their bytes)%s", cover["checks"], cover["steps"], 100 * cover["parameters"],
-                            100 * cover["bytes"], f"; not reached: {cover['uncovered'][:8]}" if cover["uncovered"] else "")
+                            100 * cover["bytes"], missing)
         self.compute = ComputeStragglerDetector(config, group_ranks, hosts)
         self.communication = CommunicationStragglerLocalizer(config, hosts)
         if self.world_size > 2 and probe_collectives:
