@@ -34,6 +34,10 @@ class InMemoryCkptConfig:
     `host_memory` places the host slots: "shared" (default) in node-owned shared memory under
     `shared_memory_dir` (default /dev/shm/lm-resiliency-<uid>), so they survive a worker crash;
     "heap" in the worker's own memory (they die with it). See docs/gemini.md.
+    `verify_integrity` checksums every capture once, right after its copy, and checks the bytes
+    against that checksum at every hand-off (replica receipt, flush, recovery).
+    `check_finite` refuses a capture whose floating tensors hold NaN or Inf: it is never published
+    as recoverable, and the error is raised at the next `maybe_wait()`/`save()`.
     """
 
     enable: bool = True
@@ -49,10 +53,11 @@ class InMemoryCkptConfig:
     timeout_s: float = 300.0
     host_memory: str = "shared"
     shared_memory_dir: Optional[str] = None
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        for field in ("enable", "verify_integrity", "skip_replication_if_hsdp", "pin_memory"):
+        for field in ("enable", "verify_integrity", "skip_replication_if_hsdp", "pin_memory", "check_finite"):
             _require(isinstance(getattr(self, field), bool), name, field, "must be True or False")
         _require(_is_int(self.interval) and self.interval >= 1, name, "interval",
                  f"must be a positive integer number of optimizer steps, got {self.interval!r}")

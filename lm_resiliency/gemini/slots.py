@@ -181,6 +181,17 @@ class SlotPair:
             if self._mirror is not None:
                 self._mirror.retract(slot.name)
 
+    def refuse(self, slot: HostSlot) -> None:
+        """Never offer this slot again (corrupt, or of an abandoned timeline). A reader that holds
+        it keeps its buffer. The next write goes into it, not over the other (intact) slot."""
+        with self._cond:
+            slot.ready = False
+            index = self._slots.index(slot)
+            if index == self._current and self._slots[1 - index].ready:
+                self._current = 1 - index
+            if self._mirror is not None:
+                self._mirror.retract(slot.name)
+
     def discard(self) -> None:
         """Forget contents (buffers are kept for reuse)."""
         with self._cond:

@@ -29,6 +29,7 @@ GUIDE_DEFAULTS = {
     "timeout_s": 300.0,
     "host_memory": "shared",
     "shared_memory_dir": None,
+    "check_finite": True,
 }
 
 
@@ -65,6 +66,7 @@ BAD_VALUES = [
     ("disk_folder", ""),
     ("run_id", ""), ("run_id", "  "),
     ("enable", 1), ("verify_integrity", 1), ("skip_replication_if_hsdp", 1), ("pin_memory", 1),
+    ("check_finite", "yes"),
     ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", math.nan), ("timeout_s", True),
     ("timeout_s", "300"), ("interval", "10"), ("disk_folder", None), ("run_id", 7),
 ]
