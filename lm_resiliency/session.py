@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
@@ -241,13 +242,34 @@ class ResiliencySession:
             if not self._capture_due():
                 return
             if self.ledger is not None:
-                # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank.
-                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True)
+                # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank, and
+                # so does NaN/Inf state anywhere (replay cannot see it once the all-reduce spread it).
+                nonfinite = self._nonfinite_state() if self.config.check_finite else []
+                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True,
+                                                finite=not nonfinite)
                 self._boundary_verdict = "incomplete"
+                if decision.nonfinite_ranks:
+                    raise NonFiniteState(
+                        f"lm-resiliency: step {self.step_count} is not captured or certified: non-finite "
+                        f"parameters, buffers or optimizer state on ranks {list(decision.nonfinite_ranks)}"
+                        + (f" (here: {', '.join(nonfinite[:8])})" if nonfinite else "")
+                        + ". Restart to recover the newest finite capture, or set "
+                        "InMemoryCkptConfig.check_finite=False if such values are intended.")
                 if not decision.capture:
                     logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
                     return
             self._pending = {"step": self.step_count, "rng": capture_rng()}
+
+    def _nonfinite_state(self) -> list:
+        """Names of the model's parameters and buffers and the optimizer's state tensors that hold
+        NaN or Inf (what a capture would hold; local shards of distributed tensors)."""
+        model, optimizer = self.adapter.replay_targets()
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        for index, state in enumerate(optimizer.state.values() if optimizer is not None else ()):
+            named += [(f"optimizer.state[{index}][{key!r}]", value) for key, value in state.items()
+                      if isinstance(value, torch.Tensor)]
+        tensors = [t.to_local() if type(t).__name__ == "DTensor" else t for _, t in named]
+        return [named[i][0] for i in nonfinite_indices([t.detach() for t in tensors])]
 
     def _before_forward(self) -> None:
         if self._pending is not None:
