@@ -70,27 +70,31 @@ def checksum_problem(extra: Optional[dict], payload: torch.Tensor) -> Optional[s
     return None
 
 
-def _finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: every element of `tensor` is finite. One float64 sum (no mask is
-    allocated); NaN and Inf propagate through it, and float64 cannot overflow on finite
-    float32/16 inputs. A non-finite float64 sum is re-checked element-wise."""
+def _total(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d float64 that is finite when every element of `tensor` is finite (and, rarely, not
+    even though they are: an overflowing sum, re-checked by the caller). One sum, no mask: NaN
+    and Inf propagate through it. Half precision is summed in float32."""
     try:
-        total = tensor.sum(dtype=torch.complex128 if tensor.is_complex() else torch.float64)
+        total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 and not tensor.is_complex() \
+            else tensor.sum()
     except (RuntimeError, TypeError):  # dtypes without a sum kernel (float8)
-        return torch.isfinite(tensor.float()).all()
-    if tensor.dtype == torch.float64:
-        return torch.isfinite(total) | torch.isfinite(tensor).all()
-    return torch.isfinite(total)
+        total = torch.where(torch.isfinite(tensor.float()).all(), 0.0, float("nan"))
+    return (total.abs() if total.is_complex() else total).double()
 
 
 def nonfinite_indices(tensors: List[torch.Tensor]) -> List[int]:
-    """Indices of the floating (and complex) tensors that hold NaN or Inf; one host sync."""
-    checked = [(i, t) for i, t in enumerate(tensors)
-               if (t.is_floating_point() or t.is_complex()) and t.numel()]
-    if not checked:
-        return []
-    flags = torch.stack([_finite(t).to(device="cpu") for _, t in checked])
-    return [checked[j][0] for j in torch.nonzero(~flags).flatten().tolist()]
+    """Indices of the floating (and complex) tensors that hold NaN or Inf; one host sync per
+    device (tensors may live on an accelerator)."""
+    by_device: Dict[torch.device, list] = {}
+    for i, t in enumerate(tensors):
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    suspects = []
+    for indices in by_device.values():
+        flags = torch.isfinite(torch.stack([_total(tensors[i]) for i in indices])).cpu().tolist()
+        suspects += [i for i, ok in zip(indices, flags) if not ok]
+    # A non-finite sum of finite values (overflow) is not a non-finite tensor.
+    return sorted(i for i in suspects if not bool(torch.isfinite(tensors[i]).all()))
 
 
 def leaf_paths(structure: Any, indices: List[int]) -> List[str]:

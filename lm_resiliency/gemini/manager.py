@@ -229,6 +229,12 @@ class InMemoryCheckpointManager:
                 self._replication_worker.submit(lambda: self._replicate(target))
             elif self._flush_due(step):
                 self._submit_flush(target, None)
+        except BaseException as exc:  # noqa: BLE001 - raised at the next maybe_wait()/save()
+            # Kept before the capture is marked done, so the maybe_wait() it wakes sees it.
+            if not isinstance(exc, NonFiniteState):  # that one was logged with its tensors
+                logger.error("GEMINI capture of step %d failed: %s", step, exc)
+            if self._capture_worker.error is None:
+                self._capture_worker.error = exc
         finally:
             self._capture_done.set()
 
