@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
-from lm_resiliency.gemini.integrity import NonFiniteState
+from lm_resiliency.experimental import NonFiniteState
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
