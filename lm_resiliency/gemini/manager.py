@@ -289,9 +289,9 @@ class InMemoryCheckpointManager:
     def _flush(self, own: HostSlot, peer: Optional[HostSlot]) -> None:
         refused = []
         try:
-            for kind, pair, slot in (("own", self._own, own), ("peer", self._peer, peer)):
+            for kind, slot in (("own", own), ("peer", peer)):
                 if slot is not None and self._write_slot(kind, slot) is not None:
-                    refused.append((pair, slot))
+                    refused.append(slot)
             self._prune()
         finally:
             self._own.release(own)
@@ -299,7 +299,7 @@ class InMemoryCheckpointManager:
                 self._peer.release(peer)
         if refused:
             raise IntegrityError("GEMINI flush refused to write " + ", ".join(
-                f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for _, slot in refused)
+                f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for slot in refused)
                 + " (see the error above); nothing corrupt or abandoned was written")
 
     def _bytes_problem(self, extra: Optional[dict], payload: torch.Tensor, step: int) -> Optional[str]:
