@@ -36,8 +36,9 @@ class InMemoryCkptConfig:
     "heap" in the worker's own memory (they die with it). See docs/gemini.md.
     `verify_integrity` checksums every capture once, right after its copy, and checks the bytes
     against that checksum at every hand-off (replica receipt, flush, recovery).
-    `check_finite` refuses a capture whose floating tensors hold NaN or Inf: it is never published
-    as recoverable, and the error is raised at the next `maybe_wait()`/`save()`.
+    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state (the session
+    checks those; a direct `save()` checks every floating tensor): it is never published as
+    recoverable or certified, and `NonFiniteState` is raised.
     """
 
     enable: bool = True

@@ -176,8 +176,13 @@ class InMemoryCheckpointManager:
 
     # ----------------------------------------------------------------- capture
 
-    def save(self, state_dict: Any, step: int) -> None:
-        """Start capturing `state_dict` as `step`. Returns once copies are launched."""
+    def save(self, state_dict: Any, step: int, *, check_finite: Optional[bool] = None) -> None:
+        """Start capturing `state_dict` as `step`. Returns once copies are launched.
+
+        `check_finite` (default: `InMemoryCkptConfig.check_finite`) refuses the capture when any
+        floating tensor of `state_dict` holds NaN or Inf (raised at the next `maybe_wait()`). A
+        caller that checked the tensors that matter itself passes False (the session checks
+        parameters and optimizer state; metric state such as a best score of inf is legitimate)."""
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"save(step=...): step must be a non-negative int, got {step!r}")
@@ -187,7 +192,8 @@ class InMemoryCheckpointManager:
         target = self._own.begin_write(layout)
         pending = launch_copy(target.views(), encoded.tensors)
         self._capture_done.clear()
-        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure))
+        check = self.config.check_finite if check_finite is None else bool(check_finite)
+        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure, check))
 
     def _layout_for(self, tensors: list) -> Layout:
         """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
@@ -216,10 +222,11 @@ class InMemoryCheckpointManager:
         ready = self._own.ready_slots()
         return ready[0].step if ready else -1
 
-    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any) -> None:
+    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any, check_finite: bool) -> None:
         try:
             pending.finish()
-            self._check_finite(target, step, structure)
+            if check_finite:
+                self._check_finite(target, step, structure)
             extra: Dict[str, Any] = {timeline.TIMELINE_KEY: self._timeline.record()}
             if self.config.verify_integrity:
                 extra[CRC_KEY] = capture_checksums(target.payload())  # once, over the captured bytes
@@ -241,8 +248,6 @@ class InMemoryCheckpointManager:
     def _check_finite(self, target: HostSlot, step: int, structure: Any) -> None:
         """Refuse (never publish) a capture with NaN/Inf in a floating tensor; the previous
         capture stays the newest recoverable one."""
-        if not self.config.check_finite:
-            return
         bad = nonfinite_indices(target.views())
         if not bad:
             return
