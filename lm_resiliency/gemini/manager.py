@@ -329,7 +329,7 @@ class InMemoryCheckpointManager:
             logger.error("GEMINI: rank %d refuses to flush %s slot %s (rank %d, step %d): %s", self.rank, kind,
                          slot.name, slot.owner_rank, slot.step, problem)
             if self._on_timeline(slot):
-                (self._own if kind == "own" else self._peer).refuse(slot)
+                (self._own if kind == "own" else self._peer).invalidate(slot)
             return problem
         key = ShardKey(kind, slot.owner_rank, slot.step)
         self.store.write_shard(key, slot.layout, slot.structure, slot.payload(), extra=slot.extra)
@@ -476,7 +476,7 @@ class InMemoryCheckpointManager:
                     if not self._on_timeline(slot):
                         logger.info("GEMINI: rank %d drops abandoned %s slot %s (step %d, timeline %s)",
                                     self.rank, pair.role, slot.name, slot.step, timeline.lineage_of(slot.extra))
-                        pair.refuse(slot)
+                        pair.invalidate(slot)
             for key in self.store.list_shards():
                 if key.step > step:
                     logger.info("GEMINI: rank %d removes abandoned shard %s", self.rank, key.file_name)
@@ -593,7 +593,7 @@ class InMemoryCheckpointManager:
             return True
         logger.warning("GEMINI: rank %d refuses %s slot %s (rank %d, step %d): %s", self.rank, pair.role,
                        slot.name, slot.owner_rank, slot.step, reason)
-        pair.refuse(slot)
+        pair.invalidate(slot)
         return False
 
     def _source_parts(self, name: str) -> tuple:

@@ -173,17 +173,8 @@ class SlotPair:
             slot.lent = True
 
     def invalidate(self, slot: HostSlot) -> None:
-        """Never use this slot's contents again (e.g. it failed an integrity check)."""
-        with self._cond:
-            if slot.readers:
-                raise RuntimeError(f"GEMINI slot {slot.name} is being read; it cannot be invalidated")
-            slot.ready = False
-            if self._mirror is not None:
-                self._mirror.retract(slot.name)
-
-    def refuse(self, slot: HostSlot) -> None:
-        """Never offer this slot again (corrupt, or of an abandoned timeline). A reader that holds
-        it keeps its buffer. The next write goes into it, not over the other (intact) slot."""
+        """Never use this slot's contents again (corrupt, or of an abandoned timeline). A reader
+        that holds it keeps its buffer. The next write goes into it, not over the other slot."""
         with self._cond:
             slot.ready = False
             index = self._slots.index(slot)
