@@ -715,7 +715,8 @@ def capture_costs(total_mib: int, reps: int, work: str) -> dict:
         log(f"[capture-costs] {key}: capture {statistics.median(total) * 1e3:.1f} ms, "
             f"save() blocking {statistics.median(blocking) * 1e3:.2f} ms")
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-    for name, fn in (("crc32_s", lambda: capture_checksums(flat)), ("finite_check_s", lambda: nonfinite_indices(tensors))):
+    for name, fn in (("crc32_s", lambda: capture_checksums(flat)),
+                     ("finite_check_s", lambda: nonfinite_indices(tensors))):
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()

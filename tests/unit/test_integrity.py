@@ -24,7 +24,8 @@ def test_checksum_names_the_corrupt_chunk_and_refuses_unchecked_bytes():
 
 def test_nonfinite_indices_cover_every_floating_dtype_and_ignore_integers():
     tensors = [torch.zeros(3), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16),
-               torch.tensor([float("-inf")], dtype=torch.float16), torch.tensor([1e308, 1e308], dtype=torch.float64), torch.tensor([3e38, 3e38]),
+               torch.tensor([float("-inf")], dtype=torch.float16),
+               torch.tensor([1e308, 1e308], dtype=torch.float64), torch.tensor([3e38, 3e38]),
                torch.tensor([2**62], dtype=torch.int64), torch.tensor([complex(0, float("inf"))]),
                torch.empty(0)]
     assert nonfinite_indices(tensors) == [1, 2, 6]  # the sums of 3 and 4 overflow, every value is finite
