@@ -97,3 +97,32 @@ def test_nonfinite_state_is_never_certified(tmp_path):
     assert "non-finite" in decision.reason and ledger.verified_steps() == [2]
     with pytest.raises(CertificationError, match="finite must be True or False"):
         ledger.boundary(6, "clean", True, finite=None)
+
+
+def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffer(tmp_path):
+    from lm_resiliency import enable_resiliency
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended: never refused
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan", host_memory="heap",
+                                disk_flush_interval=0, timeout_s=10)
+    session = enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+    error = None
+    try:
+        for step in range(1, 5):
+            x = torch.randn(2, 4)
+            if step == 3:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+                optimizer.step()
+            except NonFiniteState as exc:
+                error = (step, str(exc))
+                break
+            optimizer.zero_grad()
+        assert error is not None and error[0] == 4 and "weight" in error[1] and "ranks [0]" in error[1]
+        assert session.manager.latest_step == 2  # step 2 (with the -inf buffer) is the newest capture
+    finally:
+        session.close()
