@@ -14,6 +14,10 @@ Runs `--ranks` real processes joined by gloo (FileStore) three times:
 3. ``peer_disk``: fresh processes recover after one rank's own shards were deleted, so its
    holder reads the persisted replica and sends it.
 
+``--capture-costs`` instead runs one process and times a capture (``save()`` until the capture
+worker published the slot) with ``verify_integrity`` and ``check_finite`` off and on: the cost
+of the end-to-end capture checksum and of the non-finite check, both paid in the capture worker.
+
 Every timed region starts after a barrier; a distributed result is the slowest rank's time,
 and the median over repetitions is reported. Page cache is dropped (best effort,
 ``posix_fadvise(DONTNEED)`` after ``fsync``) before every "cold" disk read, ours and
@@ -669,6 +673,90 @@ def build_rows(a: dict, disk: dict, peer_disk: dict) -> List[dict]:
     return rows
 
 
+def capture_costs(total_mib: int, reps: int, work: str) -> dict:
+    """Single process: median seconds from save() until the capture is published, per setting."""
+    import torch
+
+    from lm_resiliency import InMemoryCkptConfig
+    from lm_resiliency.experimental import InMemoryCheckpointManager
+    from lm_resiliency.gemini.integrity import capture_checksums, nonfinite_indices
+
+    state = make_state(0, total_mib * MIB)
+    tensors = leaves(state)
+    nbytes = nbytes_of(tensors)
+    out: Dict[str, Any] = {"bytes": nbytes, "tensors": len(tensors), "reps": reps, "settings": {}}
+    managers, samples = {}, {}
+    for verify in (False, True):
+        for finite in (False, True):
+            key = f"verify_integrity={verify},check_finite={finite}"
+            config = InMemoryCkptConfig(disk_folder=os.path.join(work, key), host_memory="heap",
+                                        disk_flush_interval=0, run_id="capture-costs", pin_memory=False,
+                                        verify_integrity=verify, check_finite=finite)
+            managers[key] = InMemoryCheckpointManager(config, install_signal_handlers=False)
+            samples[key] = ([], [])
+            for step in (1, 2):  # allocate and first-touch both own slots
+                managers[key].save(state, step)
+                managers[key].maybe_wait()
+    # Interleaved: each repetition times every setting once, so load drift hits them alike.
+    for step in range(3, 3 + reps):
+        for key, manager in managers.items():
+            t0 = time.perf_counter()
+            manager.save(state, step)
+            t1 = time.perf_counter()
+            manager.maybe_wait()
+            t2 = time.perf_counter()
+            samples[key][0].append(t1 - t0)
+            samples[key][1].append(t2 - t0)
+    for key, manager in managers.items():
+        manager.close()
+        blocking, total = samples[key]
+        out["settings"][key] = {"save_blocking_s": statistics.median(blocking), "capture_s": statistics.median(total),
+                                "per_rep_capture_s": total}
+        log(f"[capture-costs] {key}: capture {statistics.median(total) * 1e3:.1f} ms, "
+            f"save() blocking {statistics.median(blocking) * 1e3:.2f} ms")
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    for name, fn in (("crc32_s", lambda: capture_checksums(flat)),
+                     ("finite_check_s", lambda: nonfinite_indices(tensors))):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    base = out["settings"]["verify_integrity=False,check_finite=False"]["capture_s"]
+    for values in out["settings"].values():
+        values["overhead_vs_off"] = values["capture_s"] / base - 1
+    return out
+
+
+def main_capture_costs(args: argparse.Namespace) -> int:
+    import torch
+
+    work = tempfile.mkdtemp(prefix="gemini-capture-costs-", dir=args.tmp)
+    load_start = list(os.getloadavg())
+    try:
+        costs = capture_costs(args.total_mib, args.reps, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    costs["environment"] = {"loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+                            "torch": torch.__version__, "cpus": os.cpu_count(), "device": "cpu"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(costs, f, indent=2)
+    gbps = costs["bytes"] / GB
+    rows = [{"setting": key, "capture": f"{v['capture_s'] * 1e3:.1f} ms",
+             "overhead": f"{v['overhead_vs_off'] * 100:+.0f}%", "blocking": f"{v['save_blocking_s'] * 1e3:.2f} ms"}
+            for key, v in costs["settings"].items()]
+    print(f"GEMINI capture costs: {costs['bytes'] / MIB:.0f} MiB in {costs['tensors']} tensors, one process, "
+          f"median of {args.reps}; load average {load_start[0]:.2f}")
+    print(format_table(rows, ["setting", "capture", "overhead", "blocking"],
+                       ["setting", "save() to published", "vs both off", "save() blocking"]))
+    print(f"capture CRC-32 alone: {costs['crc32_s'] * 1e3:.1f} ms ({gbps / costs['crc32_s']:.2f} GB/s); "
+          f"non-finite check alone: {costs['finite_check_s'] * 1e3:.1f} ms "
+          f"({gbps / costs['finite_check_s']:.2f} GB/s); results written to {args.out}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -685,7 +773,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--loop-captures", type=int, default=3, help="captures in the training loop")
     p.add_argument("--timeout", type=float, default=600.0, help="per-phase and per-wait timeout (s)")
     p.add_argument("--tmp", default=None, help="parent of the temporary working directory")
+    p.add_argument("--capture-costs", action="store_true",
+                   help="only time one process's capture with verify_integrity/check_finite off and on "
+                        "(--total-mib of state, --reps repetitions, JSON to --out)")
     args = p.parse_args(argv)
+    if args.capture_costs:
+        return main_capture_costs(args)
     if args.ranks < 2:
         p.error("--ranks must be >= 2 (peer replication needs a peer)")
     if args.total_mib < 1 or args.reps < 1 or args.disk_reps < 1:

@@ -38,6 +38,11 @@ class InMemoryCkptConfig:
     `reap_other_runs_after_s`: a starting job removes shared-memory slots of OTHER run ids whose
     processes are dead only when they were last written this many seconds ago (default 24 h;
     `math.inf`: never; `python -m lm_resiliency.cleanup` removes them on demand).
+    `verify_integrity` checksums every capture once, right after its copy, and checks the bytes
+    against that checksum at every hand-off (replica receipt, flush, recovery).
+    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state (the session
+    checks those; a direct `save()` checks every floating tensor): it is never published as
+    recoverable or certified, and `NonFiniteState` is raised.
     """
 
     enable: bool = True
@@ -54,10 +59,11 @@ class InMemoryCkptConfig:
     host_memory: str = "shared"
     shared_memory_dir: Optional[str] = None
     reap_other_runs_after_s: float = DEFAULT_REAP_OTHER_RUNS_AFTER_S
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        for field in ("enable", "verify_integrity", "skip_replication_if_hsdp", "pin_memory"):
+        for field in ("enable", "verify_integrity", "skip_replication_if_hsdp", "pin_memory", "check_finite"):
             _require(isinstance(getattr(self, field), bool), name, field, "must be True or False")
         _require(_is_int(self.interval) and self.interval >= 1, name, "interval",
                  f"must be a positive integer number of optimizer steps, got {self.interval!r}")

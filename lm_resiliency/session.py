@@ -29,6 +29,7 @@ from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.identity import FIX
+from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
@@ -296,14 +297,47 @@ class ResiliencySession:
                 self.scout.after_optimizer_step(self.step_count)
             if not self._capture_due():
                 return
+            nonfinite = self._nonfinite_state() if self.config.check_finite else []
+            checked = nonfinite is not None
+            nonfinite = nonfinite or []
             if self.ledger is not None:
-                # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank.
-                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True)
+                # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank, and
+                # so does NaN/Inf state anywhere (replay cannot see it once the all-reduce spread it).
+                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True,
+                                                finite=not nonfinite)
                 self._boundary_verdict = "incomplete"
+                if decision.nonfinite_ranks:
+                    self._refuse_nonfinite(list(decision.nonfinite_ranks), nonfinite)
                 if not decision.capture:
                     logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
                     return
-            self._pending = {"step": self.step_count, "rng": capture_rng()}
+            elif nonfinite:
+                self._refuse_nonfinite([dist.get_rank() if dist.is_initialized() else 0], nonfinite)
+            self._pending = {"step": self.step_count, "rng": capture_rng(), "checked": checked}
+
+    def _refuse_nonfinite(self, ranks: list, local: list) -> None:
+        message = (f"lm-resiliency: step {self.step_count} is not captured or certified: non-finite parameters "
+                   f"or optimizer state on ranks {ranks}" + (f" (here: {', '.join(local[:8])})" if local else "")
+                   + ". Restart to recover the newest finite capture, or set "
+                   "InMemoryCkptConfig.check_finite=False if such values are intended.")
+        logger.error(message)
+        raise NonFiniteState(message)
+
+    def _nonfinite_state(self) -> Optional[list]:
+        """Names of the model's parameters and the optimizer's state tensors that hold NaN or Inf
+        (local shards of distributed tensors); None when the adapter exposes no module (then the
+        manager checks the whole capture). Buffers and framework metric state may hold intended
+        infinities (a -inf mask, EarlyStopping's initial best score) and are not checked."""
+        try:
+            model, optimizer = self.adapter.replay_targets()
+        except NotImplementedError:
+            return None
+        named = list(model.named_parameters())
+        for index, state in enumerate(getattr(optimizer, "state", {}).values()):
+            named += [(f"optimizer.state[{index}][{key!r}]", value) for key, value in state.items()
+                      if isinstance(value, torch.Tensor)]
+        tensors = [t.to_local() if type(t).__name__ == "DTensor" else t for _, t in named]
+        return [named[i][0] for i in nonfinite_indices([t.detach() for t in tensors])]
 
     def _skipped_optimizer_step(self) -> None:
         """A step boundary whose optimizer.step() was skipped (a GradScaler found inf/NaN gradients).
@@ -367,7 +401,8 @@ class ResiliencySession:
             extra = check_extra_state(self._extra_state_fn() if self._extra_state_fn else None)
             state = {"framework": self.adapter.framework_state(), "deferred": self.adapter.deferred_state(),
                      "rng": pending["rng"], "extra": extra, "step": pending["step"]}
-            self.manager.save(state, pending["step"])
+            # Parameters and optimizer state were checked at the boundary (`_nonfinite_state`).
+            self.manager.save(state, pending["step"], check_finite=False if pending["checked"] else None)
 
     # ------------------------------------------------- what framework surfaces read
 

@@ -27,3 +27,15 @@ def test_scout_benchmark_runs_checks_without_false_alarms(tmp_path):
     assert result["unhealthy_replay_results"] == {"SCOUT interval 10": 0}
     assert result["oob_reports"] == {"SCOUT interval 10": 0}
     assert result["config"]["model"]["replayed_share_of_macs"] == pytest.approx(10240 / 18432)
+
+
+def test_gemini_capture_costs_time_every_integrity_setting(tmp_path):
+    from benchmarks import gemini_bench
+
+    out = tmp_path / "capture_costs.json"
+    assert gemini_bench.main(["--capture-costs", "--total-mib", "1", "--reps", "2", "--out", str(out),
+                              "--tmp", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result["settings"]) == [f"verify_integrity={v},check_finite={f}"
+                                          for v in (False, True) for f in (False, True)]
+    assert all(len(s["per_rep_capture_s"]) == 2 for s in result["settings"].values())

@@ -23,16 +23,20 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
+from lm_resiliency.gemini import timeline
 from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
+from lm_resiliency.gemini.integrity import (CRC_KEY, IntegrityError, NonFiniteState, capture_checksums,
+                                            checksum_problem, leaf_paths, nonfinite_indices)
 from lm_resiliency.gemini.replication import (Pairing, PeerReplicator, agree_on_pairing, message_tag,
                                               resolve_jump)
-from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan
+from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan, entries, has
 from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
@@ -136,6 +140,9 @@ class InMemoryCheckpointManager:
         self.config = dataclasses.replace(self.config, disk_folder=os.path.abspath(self.config.disk_folder))
         self.identity: RunIdentity = resolve_identity(self.config.run_id, self._group)
         self.run_id = self.identity.run_id
+        # A new lineage per manager; `load()` forks it from the recovered (lineage, step).
+        self._timeline = timeline.Timeline(timeline.draw_lineage(self._group))
+        self._recovered: Optional[tuple] = None  # (lineage, ancestry) of the plan find_latest chose
         descriptor = {"rank": self.rank, "world_size": self.world_size,
                       "jump": self.pairing.jump if self.pairing else 0, "topology": topology or {}}
         self.topology = topology_fingerprint(descriptor, self._group)
@@ -212,8 +219,13 @@ class InMemoryCheckpointManager:
 
     # ----------------------------------------------------------------- capture
 
-    def save(self, state_dict: Any, step: int) -> None:
-        """Start capturing `state_dict` as `step`. Returns once copies are launched."""
+    def save(self, state_dict: Any, step: int, *, check_finite: Optional[bool] = None) -> None:
+        """Start capturing `state_dict` as `step`. Returns once copies are launched.
+
+        `check_finite` (default: `InMemoryCkptConfig.check_finite`) refuses the capture when any
+        floating tensor of `state_dict` holds NaN or Inf (raised at the next `maybe_wait()`). A
+        caller that checked the tensors that matter itself passes False (the session checks
+        parameters and optimizer state; metric state such as a best score of inf is legitimate)."""
         self._check_usable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"save(step=...): step must be a non-negative int, got {step!r}")
@@ -225,7 +237,8 @@ class InMemoryCheckpointManager:
         target = self._own.begin_write(layout)
         pending = launch_copy(target.views(), encoded.tensors)
         self._capture_done.clear()
-        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure))
+        check = self.config.check_finite if check_finite is None else bool(check_finite)
+        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure, check))
 
     def _layout_for(self, tensors: list) -> Layout:
         """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
@@ -258,17 +271,43 @@ class InMemoryCheckpointManager:
         ready = self._own.ready_slots()
         return ready[0].step if ready else -1
 
-    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any) -> None:
+    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any, check_finite: bool) -> None:
         try:
             pending.finish()
-            self._own.publish(target, step, structure, self.rank)
+            if check_finite:
+                self._check_finite(target, step, structure)
+            extra: Dict[str, Any] = {timeline.TIMELINE_KEY: self._timeline.record()}
+            if self.config.verify_integrity:
+                extra[CRC_KEY] = capture_checksums(target.payload())  # once, over the captured bytes
+            self._own.publish(target, step, structure, self.rank, extra)
             if self._replicator is not None:
                 self._own.acquire(target)
                 self._replication_worker.submit(lambda: self._replicate(target))
             elif self._flush_due(step):
                 self._submit_flush(target, None)
+        except BaseException as exc:  # noqa: BLE001 - raised at the next maybe_wait()/save()
+            # Kept before the capture is marked done, so the maybe_wait() it wakes sees it.
+            if not isinstance(exc, NonFiniteState):  # that one was logged with its tensors
+                logger.error("GEMINI capture of step %d failed: %s", step, exc)
+            if self._capture_worker.error is None:
+                self._capture_worker.error = exc
         finally:
             self._capture_done.set()
+
+    def _check_finite(self, target: HostSlot, step: int, structure: Any) -> None:
+        """Refuse (never publish) a capture with NaN/Inf in a floating tensor; the previous
+        capture stays the newest recoverable one."""
+        bad = nonfinite_indices(target.views())
+        if not bad:
+            return
+        paths = leaf_paths(structure, bad)
+        shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+        message = (f"GEMINI capture of step {step} refused on rank {self.rank}: non-finite values (NaN or "
+                   f"Inf) in {shown}. The step is not recoverable; the newest recoverable capture is "
+                   f"step {self.latest_step}. Restart from it, or set InMemoryCkptConfig.check_finite="
+                   "False if such values are intended (e.g. -inf mask buffers).")
+        logger.error(message)
+        raise NonFiniteState(message)
 
     def _replicate(self, source: HostSlot) -> None:
         try:
@@ -276,6 +315,11 @@ class InMemoryCheckpointManager:
             if header["step"] != source.step:
                 raise RuntimeError(f"GEMINI replication: rank {header['owner_rank']} sent step "
                                    f"{header['step']} while this rank captured {source.step}")
+            problem = self._bytes_problem(header["extra"], slot.buffer[: slot.layout.total_bytes],
+                                          header["step"])
+            if problem is not None:
+                raise IntegrityError(f"GEMINI replication: refused rank {header['owner_rank']}'s replica of "
+                                     f"step {header['step']}: {problem}")
             self._peer.publish(slot, header["step"], header["structure"], header["owner_rank"],
                                header["extra"])
             if self._flush_due(source.step):
@@ -297,19 +341,48 @@ class InMemoryCheckpointManager:
         self._flush_worker.submit(lambda: self._flush(own, peer))
 
     def _flush(self, own: HostSlot, peer: Optional[HostSlot]) -> None:
+        refused = []
         try:
-            self._write_slot("own", own)
-            if peer is not None:
-                self._write_slot("peer", peer)
+            for kind, slot in (("own", own), ("peer", peer)):
+                if slot is not None and self._write_slot(kind, slot) is not None:
+                    refused.append(slot)
             self._prune()
         finally:
             self._own.release(own)
             if peer is not None:
                 self._peer.release(peer)
+        if refused:
+            raise IntegrityError("GEMINI flush refused to write " + ", ".join(
+                f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for slot in refused)
+                + " (see the error above); nothing corrupt or abandoned was written")
 
-    def _write_slot(self, kind: str, slot: HostSlot) -> None:
+    def _bytes_problem(self, extra: Optional[dict], payload: torch.Tensor, step: int) -> Optional[str]:
+        """Why bytes with this `extra` must not be published, written or loaded now: another
+        timeline, or (with verify_integrity) a mismatch against their capture checksum."""
+        lineage = timeline.lineage_of(extra)
+        if not self._timeline.contains(lineage, step):
+            return (f"it belongs to timeline {lineage}, not to this run's current timeline "
+                    f"{self._timeline.lineage} (abandoned at a recovery, or not recovered)")
+        if self.config.verify_integrity:
+            return checksum_problem(extra, payload)
+        return None
+
+    def _on_timeline(self, slot: HostSlot) -> bool:
+        return self._timeline.contains(timeline.lineage_of(slot.extra), slot.step)
+
+    def _write_slot(self, kind: str, slot: HostSlot) -> Optional[str]:
+        """Write one slot, checked first (`_bytes_problem`); returns why it was not written, or
+        None. A slot whose bytes no longer match their capture checksum is never offered again."""
+        problem = self._bytes_problem(slot.extra, slot.payload(), slot.step)
+        if problem is not None:
+            logger.error("GEMINI: rank %d refuses to flush %s slot %s (rank %d, step %d): %s", self.rank, kind,
+                         slot.name, slot.owner_rank, slot.step, problem)
+            if self._on_timeline(slot):
+                (self._own if kind == "own" else self._peer).invalidate(slot)
+            return problem
         key = ShardKey(kind, slot.owner_rank, slot.step)
         self.store.write_shard(key, slot.layout, slot.structure, slot.payload(), extra=slot.extra)
+        return None
 
     def _prune(self) -> None:
         """Keep the newest generations and every step trust depends on (`protected_steps`).
@@ -334,17 +407,20 @@ class InMemoryCheckpointManager:
         elif not self._replication_worker.wait_idle(self.config.timeout_s):
             logger.error("GEMINI flush: replication did not finish in %ss; the replica may be older",
                          self.config.timeout_s)
-        own = self._own.ready_slots()
-        if not own:
+        slot = None
+        # Newest first, of the current timeline only; a refused (corrupt) slot falls back to the previous.
+        for candidate in [c for c in self._own.ready_slots() if self._on_timeline(c)]:
+            self._own.acquire(candidate)
+            try:
+                if self._write_slot("own", candidate) is None:
+                    slot = candidate
+                    break
+            finally:
+                self._own.release(candidate)
+        if slot is None:
             return -1
-        slot = own[0]
-        self._own.acquire(slot)
-        try:
-            self._write_slot("own", slot)
-        finally:
-            self._own.release(slot)
         if self._peer is not None:
-            peers = [p for p in self._peer.ready_slots() if p.step == slot.step]
+            peers = [p for p in self._peer.ready_slots() if p.step == slot.step and self._on_timeline(p)]
             if peers:
                 self._peer.acquire(peers[0])
                 try:
@@ -376,9 +452,11 @@ class InMemoryCheckpointManager:
         report = self._local_availability()
         self.job_recovery_sources = {}
         while True:
+            self._release_sources()  # a retry must not keep the previous attempt's slots pinned
             reports = wire.all_gather_json(report, self._group)
-            self.steps_seen = sorted({s for r in reports for s in r["own"]}
-                                     | {s for r in reports for held in r["held"].values() for s in held})
+            self.steps_seen = sorted({step for r in reports for step, _ in entries(r["own"])}
+                                     | {step for r in reports for held in r["held"].values()
+                                        for step, _ in entries(held)})
             holder_of = (lambda owner: self.pairing.holder_of(owner, self.world_size)) if self.pairing else None
             plan = choose_plan(reports, holder_of, exact_step=step, allowed_steps=allowed_steps)
             if plan is not None:
@@ -389,28 +467,32 @@ class InMemoryCheckpointManager:
                         f"GEMINI step {step} was selected for recovery but is not loadable on every "
                         "rank (missing, corrupt or from another run/topology); refusing to load anything")
                 return None
-            failed = self._validate(plan)
-            verdicts = wire.all_gather_json({"failed": failed, "sends": self._send_sizes(plan),
+            failed, seen = self._validate(plan)
+            verdicts = wire.all_gather_json({"failed": failed, "seen": seen, "sends": self._send_sizes(plan),
                                              "sources": self.recovery_sources}, self._group)
             if not any(v["failed"] for v in verdicts):
-                holder = plan.sources[self.rank]
-                self._incoming_bytes = (None if holder == self.rank
-                                        else verdicts[holder]["sends"][str(self.rank)])
-                self._plan = plan
-                self.job_recovery_sources = {int(key.split(":")[1]): (source_rank, medium)
-                                             for source_rank, verdict in enumerate(verdicts)
-                                             for key, medium in verdict["sources"].items()}
-                logger.info("GEMINI: rank %d recovers step %d from %s", self.rank, plan.step,
-                            "itself" if holder == self.rank else f"rank {holder}")
-                return plan.step
-            self._release_sources()  # the retry pins what the next plan needs, nothing more
+                problem, recovered = _one_timeline(plan, verdicts, reports)
+                if problem is None:
+                    holder = plan.sources[self.rank]
+                    self._incoming_bytes = (None if holder == self.rank
+                                            else verdicts[holder]["sends"][str(self.rank)])
+                    self._plan = RecoveryPlan(plan.step, plan.sources, recovered[0])
+                    self._recovered = recovered
+                    self.job_recovery_sources = {int(key.split(":")[1]): (source_rank, medium)
+                                                 for source_rank, verdict in enumerate(verdicts)
+                                                 for key, medium in verdict["sources"].items()}
+                    logger.info("GEMINI: rank %d recovers step %d (timeline %s) from %s", self.rank, plan.step,
+                                recovered[0], "itself" if holder == self.rank else f"rank {holder}")
+                    return plan.step
+                logger.warning("GEMINI: step %d is not eligible: %s", plan.step, problem)
+                failed = [["own", self.rank, plan.step]] + [["held", int(o), plan.step] for o in report["held"]]
             for kind, owner, bad_step in failed:
                 for part in (report, report["memory"]):
                     if kind == "own":
-                        part["own"] = [s for s in part["own"] if s != bad_step]
+                        part["own"] = [e for e in part["own"] if not has([e], bad_step, None)]
                     else:
                         held = part["held"].get(str(owner), [])
-                        part["held"][str(owner)] = [s for s in held if s != bad_step]
+                        part["held"][str(owner)] = [e for e in held if not has([e], bad_step, None)]
 
     def _send_sizes(self, plan: RecoveryPlan) -> dict:
         """Bytes this rank will send to each rank whose state it provides: agreed before any
@@ -421,11 +503,15 @@ class InMemoryCheckpointManager:
 
     def load(self) -> Optional[Any]:
         """Collective: the state selected by `find_latest()` (tensors owned by the caller), or None
-        when nothing was found, so the caller's fallback runs."""
+        when nothing was found, so the caller's fallback runs.
+
+        Recovering (lineage L, step s) starts a new timeline whose parent is (L, s): every slot
+        and node-local shard after s (abandoned) is dropped on every rank before any returns."""
         self._check_usable()
         plan = self._plan
         if plan is None:
             return None
+        problem = None
         # A tag of its own per load: messages left by a failed earlier transfer never match.
         tag = message_tag(self._loads, recovery=True)
         self._loads += 1
@@ -436,19 +522,53 @@ class InMemoryCheckpointManager:
             if holder == self.rank:
                 layout, structure, tensors = self._own_source()
             else:
-                layout, structure, tensors = self._receive_replica(holder, plan.step, tag)
+                layout, structure, tensors, problem = self._receive_replica(holder, plan, tag)
             sender.join(self.config.timeout_s)
             if sender.is_alive():
                 raise TimeoutError("GEMINI recovery: sending replicas did not finish in time")
             if self._send_error is not None:
                 error, self._send_error = self._send_error, None
                 raise error
-            return decode_state(structure, tensors)
         finally:
             if sender.is_alive():
                 sender.join(self.config.timeout_s)  # its source slots stay pinned until it is done
             self._release_sources()
             self._plan = None
+        refused = [(r, p) for r, p in enumerate(wire.all_gather_json(problem, self._group)) if p]
+        if refused:
+            raise RecoveryUnavailable(f"GEMINI step {plan.step} was selected for recovery but received state was "
+                                      "refused: " + "; ".join(f"rank {r}: {p}" for r, p in refused)
+                                      + "; nothing is loaded. Restart to select again.")
+        state = decode_state(structure, tensors)
+        self._continue_timeline(plan.step)
+        return state
+
+    def _continue_timeline(self, step: int) -> None:
+        """Fork the timeline from the recovered state and drop what it abandons. Collective: no
+        rank trains on (and captures into) the new timeline before every rank dropped its
+        abandoned state."""
+        lineage, ancestry = self._recovered
+        self._timeline = self._timeline.fork(lineage, ancestry, step, timeline.draw_lineage(self._group))
+        error = None
+        try:
+            for pair in (self._own, self._peer):
+                for slot in pair.ready_slots() if pair is not None else ():
+                    if not self._on_timeline(slot):
+                        logger.info("GEMINI: rank %d drops abandoned %s slot %s (step %d, timeline %s)",
+                                    self.rank, pair.role, slot.name, slot.step, timeline.lineage_of(slot.extra))
+                        pair.invalidate(slot)
+            for key in self.store.list_shards():
+                if key.step > step:
+                    logger.info("GEMINI: rank %d removes abandoned shard %s", self.rank, key.file_name)
+                    self.store.remove_shard(key)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failed = [(r, e) for r, e in enumerate(wire.all_gather_json(error, self._group)) if e]
+        if failed:
+            raise RecoveryUnavailable("GEMINI recovery: dropping abandoned state failed on " + "; ".join(
+                f"rank {r}: {e}" for r, e in failed) + "; do not continue training on this timeline")
+        logger.info("GEMINI: rank %d continues on timeline %s from (%s, step %d)", self.rank,
+                    self._timeline.lineage, lineage, step)
 
     def _prefer_memory(self, plan: RecoveryPlan, reports: list) -> RecoveryPlan:
         """Within the chosen step, each rank's state comes from its own memory, else from its
@@ -458,32 +578,43 @@ class InMemoryCheckpointManager:
             return plan
         sources = dict(plan.sources)
         for owner, source in plan.sources.items():
-            if source != owner or plan.step in reports[owner]["memory"]["own"]:
+            if source != owner or has(reports[owner]["memory"]["own"], plan.step, plan.lineage):
                 continue
             holder = self.pairing.holder_of(owner, self.world_size)
-            if plan.step in reports[holder]["memory"]["held"].get(str(owner), []):
+            if has(reports[holder]["memory"]["held"].get(str(owner), []), plan.step, plan.lineage):
                 sources[owner] = holder
-        return RecoveryPlan(plan.step, sources)
+        return RecoveryPlan(plan.step, sources, plan.lineage)
 
     def _local_availability(self) -> dict:
-        own = {s.step for s in self._own.ready_slots()}
-        held: Dict[int, set] = {}
-        if self._peer is not None:
-            for slot in self._peer.ready_slots():
-                held.setdefault(slot.owner_rank, set()).add(slot.step)
+        """Memory slots as (step, lineage); node-local shards as steps (their lineage is only
+        known once read); every timeline this rank knows, so abandoned state is recognized."""
+        timelines = {self._timeline.lineage: self._timeline.ancestry}
+        own, held = set(), {}
+        for pair in (self._own, self._peer):
+            for slot in pair.ready_slots() if pair is not None else ():
+                parsed = timeline.parse(slot.extra)
+                if parsed is not None:
+                    timelines.setdefault(parsed[0], parsed[1])
+                entry = (slot.step, parsed[0] if parsed else None)
+                if pair is self._own:
+                    own.add(entry)
+                else:
+                    held.setdefault(slot.owner_rank, set()).add(entry)
         memory = availability_report(own, held)  # this process's slots and adopted shared ones
         for key in self.store.list_shards():
             if key.kind == "own":
                 own.add(key.step)
             else:
                 held.setdefault(key.owner_rank, set()).add(key.step)
-        report = availability_report(own, held)
+        report = availability_report(own, held, timelines)
         report["memory"] = memory
         return report
 
-    def _validate(self, plan: RecoveryPlan) -> list:
-        """Load-check everything this rank must provide for `plan`; returns failed items."""
-        failed = []
+    def _validate(self, plan: RecoveryPlan) -> tuple:
+        """Load-check everything this rank must provide for `plan`: identity, timeline and (with
+        verify_integrity) the capture checksum. Returns (failed items, [lineage, ancestry] of
+        each source provided)."""
+        failed, seen = [], []
         needs = []
         if plan.sources[self.rank] == self.rank:
             needs.append(("own", self.rank))
@@ -491,51 +622,70 @@ class InMemoryCheckpointManager:
         self.recovery_sources = {}
         for kind, owner in needs:
             pair = self._own if kind == "own" else self._peer
-            slots = [s for s in pair.ready_slots() if s.step == plan.step and s.owner_rank == owner] \
+            slots = [s for s in pair.ready_slots() if s.step == plan.step and s.owner_rank == owner
+                     and (plan.lineage is None or timeline.lineage_of(s.extra) == plan.lineage)] \
                 if pair is not None else []
-            if slots and not self._adopted_slot_intact(pair, slots[0]):
-                slots = []  # corrupt shared slot: the node-local disk may still hold this step
+            if slots and not self._slot_intact(pair, slots[0]):
+                slots = []  # corrupt slot: the node-local disk may still hold this step
             if slots:
                 pair.acquire(slots[0])
                 self._sources[f"{kind}:{owner}"] = (pair, slots[0])
                 self.recovery_sources[f"{kind}:{owner}"] = (
                     "memory" if slots[0].adopted_from is None else "shared-memory")
+                seen.append(_timeline_of(slots[0].extra))
                 continue
             key = ShardKey("own" if kind == "own" else "peer", owner, plan.step)
             try:
-                self._sources[f"{kind}:{owner}"] = self.store.read_shard(key)
+                shard = self.store.read_shard(key)
+                self._check_shard(shard, plan)
+                self._sources[f"{kind}:{owner}"] = shard
                 self.recovery_sources[f"{kind}:{owner}"] = "disk"
+                seen.append(_timeline_of(shard.extra))
             except ShardRejected as exc:
                 logger.warning("GEMINI: skipping step %d for rank %d: %s", plan.step, owner, exc)
                 failed.append([kind, owner, plan.step])
-        return failed
+        return failed, seen
 
-    def _adopted_slot_intact(self, pair: SlotPair, slot: HostSlot) -> bool:
-        """A predecessor's slot was identity- and size-checked when adopted; with
-        verify_integrity its CRC-32 is also checked here, once, before it may be used."""
-        if slot.adopted_from is None or not self.config.verify_integrity or self._arena is None:
+    def _check_shard(self, shard: Shard, plan: RecoveryPlan) -> None:
+        lineage = timeline.lineage_of(shard.extra)
+        if plan.lineage is not None and lineage != plan.lineage:
+            raise ShardRejected(f"shard {shard.key.file_name} of rank {shard.key.owner_rank} belongs to "
+                                f"timeline {lineage}, not to the selected timeline {plan.lineage}")
+        if self.config.verify_integrity:
+            problem = checksum_problem(shard.extra, shard.payload)
+            if problem is not None:
+                raise ShardRejected(f"shard {shard.key.file_name} of rank {shard.key.owner_rank}: {problem}")
+
+    def _slot_intact(self, pair: SlotPair, slot: HostSlot) -> bool:
+        """With verify_integrity, a memory slot is checked once against its capture checksum (and
+        a predecessor's shared slot against its sidecar) before it may be used."""
+        if not self.config.verify_integrity:
             return True
-        if (slot.name, slot.step) in self._verified:
+        token = (slot.name, slot.step, timeline.lineage_of(slot.extra), slot.buffer.data_ptr())
+        if token in self._verified:
             return True
-        reason = self._arena.verify(slot.name)
+        if slot.adopted_from is not None and self._arena is not None and CRC_KEY in slot.extra:
+            reason = self._arena.verify(slot.name)  # the sidecar, and the bytes against the capture checksum
+        else:
+            reason = checksum_problem(slot.extra, slot.payload())
         if reason is None:
-            self._verified.add((slot.name, slot.step))
+            self._verified.add(token)
             return True
-        logger.warning("GEMINI: rank %d refuses shared slot %s (step %d): %s", self.rank, slot.name,
-                       slot.step, reason)
+        logger.warning("GEMINI: rank %d refuses %s slot %s (rank %d, step %d): %s", self.rank, pair.role,
+                       slot.name, slot.owner_rank, slot.step, reason)
         pair.invalidate(slot)
         return False
 
     def _source_parts(self, name: str) -> tuple:
         source = self._sources[name]
         if isinstance(source, Shard):
-            return source.layout, source.structure, source.payload
+            return source.layout, source.structure, source.payload, source.extra
         _, slot = source
-        return slot.layout, slot.structure, slot.payload()
+        return slot.layout, slot.structure, slot.payload(), slot.extra
 
     def _own_source(self) -> tuple:
         name = f"own:{self.rank}"
-        layout, structure, payload = self._source_parts(name)
+        layout, structure, payload, _ = self._source_parts(name)
         source = self._sources[name]
         if not isinstance(source, Shard):
             # A memory slot is reused by the next capture; the caller gets its own copy: for a
@@ -555,20 +705,28 @@ class InMemoryCheckpointManager:
             for holder, owner in plan.transfers():
                 if holder != self.rank:
                     continue
-                layout, structure, payload = self._source_parts(f"held:{owner}")
+                layout, structure, payload, extra = self._source_parts(f"held:{owner}")
                 header = {"step": plan.step, "owner_rank": owner, "layout": layout.to_json(),
-                          "structure": structure}
+                          "structure": structure, "extra": extra}
                 wire.send_json(header, owner, self._group, self.config.timeout_s, tag)
                 wire.send_bytes(payload, owner, self._group, self.config.timeout_s, tag)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             self._send_error = exc
 
-    def _receive_replica(self, holder: int, step: int, tag: int) -> tuple:
+    def _receive_replica(self, holder: int, plan: RecoveryPlan, tag: int) -> tuple:
+        """(layout, structure, tensors, problem): the problem, if any, is why the received bytes
+        must not be loaded (another timeline, or a capture-checksum mismatch: corrupt in transit)."""
         header = wire.recv_json(holder, self._group, self.config.timeout_s, tag)
-        layout = self._check_replica_header(header, holder, step)
+        layout = self._check_replica_header(header, holder, plan.step)
         payload = wire.recv_bytes(holder, self._group, self.config.timeout_s, tag,
                                   expected=layout.total_bytes)
-        return layout, header["structure"], layout.views(payload)
+        problem = None
+        lineage = timeline.lineage_of(header["extra"])
+        if lineage != plan.lineage:
+            problem = f"rank {holder} sent timeline {lineage}, the plan is {plan.lineage}"
+        elif self.config.verify_integrity:
+            problem = checksum_problem(header["extra"], payload)
+        return layout, header["structure"], layout.views(payload), problem
 
     def _check_replica_header(self, header: Any, holder: int, step: int) -> Layout:
         """The replica's layout when its header is what recovery agreed on (this step, this rank,
@@ -579,9 +737,11 @@ class InMemoryCheckpointManager:
 
         if not isinstance(header, dict):
             raise refuse(f"expected a JSON object, got {type(header).__name__}")
-        missing = sorted({"step", "owner_rank", "layout", "structure"} - set(header))
+        missing = sorted({"step", "owner_rank", "layout", "structure", "extra"} - set(header))
         if missing:
             raise refuse(f"missing {missing}")
+        if header["extra"] is not None and not isinstance(header["extra"], dict):
+            raise refuse(f"its extra record is a {type(header['extra']).__name__}, expected an object or null")
         identity = (header["step"], header["owner_rank"])
         if any(type(v) is not int for v in identity) or identity != (step, self.rank):
             raise refuse(f"it is step {header['step']!r} of rank {header['owner_rank']!r}, recovery "
@@ -619,6 +779,8 @@ class InMemoryCheckpointManager:
         for worker in self._workers:
             if worker.error is not None:
                 error, worker.error = worker.error, None
+                if isinstance(error, BackgroundError):  # already says what failed (NonFiniteState, IntegrityError)
+                    raise error
                 raise BackgroundError(f"GEMINI background {worker.name} failed: {error}") from error
 
     def _install_signal_handlers(self) -> None:
@@ -727,6 +889,26 @@ class InMemoryCheckpointManager:
             self.close(keep_shared=True)
         except Exception:  # noqa: BLE001 - the exception leaving the with-block is the one to see
             logger.exception("GEMINI: close() while handling %s failed", exc_type.__name__)
+
+
+def _timeline_of(extra: Optional[dict]) -> list:
+    parsed = timeline.parse(extra)
+    return [parsed[0], [list(a) for a in parsed[1]]] if parsed else [None, []]
+
+
+def _one_timeline(plan: RecoveryPlan, verdicts: list, reports: list) -> tuple:
+    """(problem, None) when the validated sources of `plan` are not one live timeline, else
+    (None, (lineage, ancestry)) of the state to recover."""
+    seen = [s for v in verdicts for s in v["seen"]]
+    lineages = {s[0] for s in seen}
+    if len(lineages) > 1:
+        return (f"its sources lie on different timelines {sorted(map(str, lineages))}; two timelines are "
+                "never mixed"), None
+    lineage = lineages.pop() if lineages else plan.lineage
+    known = [a for r in reports for a in r.get("timelines", {}).values()]
+    if timeline.abandoned(lineage, plan.step, known):
+        return f"timeline {lineage} was abandoned before step {plan.step} by a later recovery", None
+    return None, (lineage, seen[0][1] if seen else [])
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:

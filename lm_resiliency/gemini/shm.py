@@ -73,6 +73,7 @@ from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
 from lm_resiliency.tensor_bytes import byte_windows
 
@@ -194,9 +195,14 @@ def _dumps(value: Any) -> bytes:
 
 
 def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
+    """CRC-32 over the sidecar metadata and the payload. When the metadata carries the capture
+    checksum (integrity.CRC_KEY in `extra`), the payload is covered by that record (checked by
+    `verify`) and is not read a second time here."""
     canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
                            allow_nan=False, separators=(",", ":")).encode("utf-8")
     crc = zlib.crc32(canonical)
+    if CRC_KEY in doc["extra"]:
+        return crc
     for window in byte_windows(payload):
         crc = zlib.crc32(window, crc)
     return crc
@@ -565,6 +571,10 @@ class SharedSlotArena:
         if actual != doc["crc32"]:
             return (f"{os.path.join(self._dir, name + '.seg')}: CRC-32 mismatch (stored "
                     f"{doc['crc32']:#010x}, computed {actual:#010x}): shared memory bytes are corrupt")
+        if CRC_KEY in doc["extra"]:
+            problem = checksum_problem(doc["extra"], mapping.tensor[:total])
+            if problem is not None:
+                return f"{os.path.join(self._dir, name + '.seg')}: {problem}"
         return None
 
     def private_view(self, name: str, buffer: torch.Tensor) -> Optional[torch.Tensor]:

@@ -173,11 +173,13 @@ class SlotPair:
             slot.lent = True
 
     def invalidate(self, slot: HostSlot) -> None:
-        """Never use this slot's contents again (e.g. it failed an integrity check)."""
+        """Never use this slot's contents again (corrupt, or of an abandoned timeline). A reader
+        that holds it keeps its buffer. The next write goes into it, not over the other slot."""
         with self._cond:
-            if slot.readers:
-                raise RuntimeError(f"GEMINI slot {slot.name} is being read; it cannot be invalidated")
             slot.ready = False
+            index = self._slots.index(slot)
+            if index == self._current and self._slots[1 - index].ready:
+                self._current = 1 - index
             if self._mirror is not None:
                 self._mirror.retract(slot.name)
 

@@ -27,6 +27,9 @@ acceptance is job-wide even though SCOUT comparison groups are topology-specific
 - "inconclusive" or "incomplete" on any rank (and no SDC): no capture, and no certification for
   the cycle it belongs to; at the end of that cycle a pending candidate is retired (quarantined,
   not marked SDC) and the two-cycle protocol restarts.
+- non-finite state (NaN/Inf in parameters or optimizer state, ``finite=False``) on any rank is
+  treated the same way: a state that replay cannot tell from healthy (the NaN reached every
+  replica through the gradient all-reduce, so peers agree) is never captured or certified.
 
 A cycle counts as complete only if every rank flags ``cycle_complete`` at the same boundary and
 the ledger saw exactly K boundaries since the previous cycle end (a cycle joined midway after a
@@ -265,6 +268,7 @@ class BoundaryDecision:
         RECOVERY_VERIFIED checkpoint.
     reporting_ranks: group ranks whose local verdict was not accepted (sdc, inconclusive or
         incomplete).
+    nonfinite_ranks: group ranks whose parameters or optimizer state held NaN or Inf.
     checkpoint_id: the durable checkpoint id saved for this step, if any.
     reason: a sentence for logs and reports.
     """
@@ -282,6 +286,7 @@ class BoundaryDecision:
     reporting_ranks: Tuple[int, ...]
     checkpoint_id: Optional[str]
     reason: str
+    nonfinite_ranks: Tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -290,7 +295,7 @@ class BoundaryDecision:
             "candidate_step": self.candidate_step, "rejected_step": self.rejected_step,
             "sdc_detected": self.sdc_detected, "requires_verified_recovery": self.requires_verified_recovery,
             "reporting_ranks": list(self.reporting_ranks), "checkpoint_id": self.checkpoint_id,
-            "reason": self.reason,
+            "reason": self.reason, "nonfinite_ranks": list(self.nonfinite_ranks),
         }
 
 
@@ -610,13 +615,15 @@ class CertificationLedger:
 
     # ------------------------------------------------------------ boundary
 
-    def boundary(self, step: int, local_verdict: str, cycle_complete: bool) -> BoundaryDecision:
+    def boundary(self, step: int, local_verdict: str, cycle_complete: bool,
+                 finite: bool = True) -> BoundaryDecision:
         """Agree on one SCOUT boundary job-wide and apply the certification rules. Collective.
 
         Call it after SCOUT's check at `step` and before GEMINI's capture of `step`; capture only if
         the returned decision says ``capture``. `local_verdict` is this rank's outcome for its
         comparison group (`verdict_of`); `cycle_complete` is True at the last recipe of a cycle
-        (always True for a dense catalog).
+        (always True for a dense catalog). `finite` is False when this rank's parameters or
+        optimizer state hold NaN or Inf: then nothing is captured or certified anywhere.
         """
         problem = None
         if not _is_step(step):
@@ -625,10 +632,12 @@ class CertificationLedger:
             problem = f"local_verdict must be one of {', '.join(VERDICTS)}, got {local_verdict!r}"
         elif not isinstance(cycle_complete, bool):
             problem = f"cycle_complete must be True or False, got {cycle_complete!r}"
+        elif not isinstance(finite, bool):
+            problem = f"finite must be True or False, got {finite!r}"
         views = self._gather({
             "error": problem, "step": step if problem is None else None,
             "verdict": local_verdict if problem is None else None,
-            "cycle_complete": cycle_complete if problem is None else None,
+            "cycle_complete": cycle_complete if problem is None else None, "finite": finite,
             "catalog_size": self._catalog_size, "trust": self._trust_doc(),
             "cycle": [self._cycle_seen, self._cycle_tainted],
         })
@@ -658,8 +667,9 @@ class CertificationLedger:
         reporting = tuple(r for r, v in enumerate(verdicts) if v not in _ACCEPTED)
         sdc_ranks = tuple(r for r, v in enumerate(verdicts) if v == "sdc")
         verdict = next(v for v in _PRECEDENCE if v in verdicts)
+        nonfinite = tuple(r for r, v in enumerate(views) if v["finite"] is not True)
         latched = self._sdc_pending
-        accepted = verdict in _ACCEPTED and not latched
+        accepted = verdict in _ACCEPTED and not latched and not nonfinite
         cycle_end = any(flags)
         self._cycle_seen += 1
         if not accepted or len(set(flags)) > 1:
@@ -680,6 +690,9 @@ class CertificationLedger:
         elif latched:
             reason = (f"SDC was detected at step {self._sdc_step} and training has not been restored from "
                       "RECOVERY_VERIFIED state since; nothing is captured or certified")
+        elif nonfinite:
+            reason = (f"non-finite parameters or optimizer state (NaN/Inf) on group ranks {list(nonfinite)}: no "
+                      "capture, and the current cycle cannot certify anything")
         elif verdict in _CAPTURED_UNCERTIFIED:
             reason = (f"a SCOUT check failed internally on group ranks {list(reporting)}: captured uncertified, "
                       "and the current cycle cannot certify anything")
@@ -729,14 +742,14 @@ class CertificationLedger:
                 state = CANDIDATE
                 reason += "; this boundary is the new CANDIDATE"
         decision = BoundaryDecision(
-            step=step, verdict=verdict, capture=accepted or (verdict in _CAPTURED_UNCERTIFIED and not latched),
+            step=step, verdict=verdict, capture=accepted or (verdict in _CAPTURED_UNCERTIFIED and not latched and not nonfinite),
             cycle_complete=complete, state=state,
             verified_step=verified_step, candidate_step=self.candidate_step, rejected_step=rejected_step,
             sdc_detected=bool(sdc_ranks), requires_verified_recovery=self._sdc_pending,
-            reporting_ranks=reporting, checkpoint_id=checkpoint_id, reason=reason)
+            reporting_ranks=reporting, checkpoint_id=checkpoint_id, reason=reason, nonfinite_ranks=nonfinite)
         if self._trust_doc() != before:
             self._persist()
-        if sdc_ranks:
+        if sdc_ranks or nonfinite:
             logger.error("lm-resiliency certification: %s", reason)
         if outcome["error"] is not None:
             raise DurableCheckpointError(f"boundary {step}: durable checkpoint callback failed on rank 0: "

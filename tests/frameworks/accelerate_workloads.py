@@ -138,7 +138,7 @@ def train_with_plugin(rank, world, folder, run_id, epochs=3, accum=2, kill_after
     resumed = session.step_count
     captured = []
     save = session.manager.save
-    session.manager.save = lambda state, step: (captured.append(step), save(state, step))[1]
+    session.manager.save = lambda state, step, **kw: (captured.append(step), save(state, step, **kw))[1]
     batches = 0
     start = plugin.resume_epoch if resume_dataloaders != "auto" else 0
     for epoch in range(start, epochs):
@@ -204,7 +204,7 @@ def train_deepspeed(rank, world, stage, folder, run_id, kill_after=None, epochs=
         session = plugin.attach(accelerator)
         out["resumed"] = session.step_count
         save = session.manager.save
-        session.manager.save = lambda state, step: (out["captured"].append(step), save(state, step))[1]
+        session.manager.save = lambda state, step, **kw: (out["captured"].append(step), save(state, step, **kw))[1]
     for epoch in range(epochs):
         for x, y in loader:
             micro_step(accelerator, model, optimizer, scheduler, x, y)

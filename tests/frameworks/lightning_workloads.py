@@ -303,9 +303,9 @@ class RecordCaptures(Callback):
         manager = self.resiliency.session.manager
         original = manager.save
 
-        def save(state, step):
+        def save(state, step, **kw):
             self.captures.append(step)
-            return original(state, step)
+            return original(state, step, **kw)
 
         manager.save = save
 

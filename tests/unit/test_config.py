@@ -30,6 +30,7 @@ GUIDE_DEFAULTS = {
     "host_memory": "shared",
     "shared_memory_dir": None,
     "reap_other_runs_after_s": 86400.0,  # docs/gemini.md, "Run identity"
+    "check_finite": True,
 }
 
 
@@ -69,6 +70,7 @@ BAD_VALUES = [
     ("reap_other_runs_after_s", -1), ("reap_other_runs_after_s", math.nan), ("reap_other_runs_after_s", "1h"),
     ("reap_other_runs_after_s", True),
     ("enable", 1), ("verify_integrity", 1), ("skip_replication_if_hsdp", 1), ("pin_memory", 1),
+    ("check_finite", "yes"),
     ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", math.nan), ("timeout_s", True),
     ("timeout_s", "300"), ("interval", "10"), ("disk_folder", None), ("run_id", 7),
 ]
