@@ -390,7 +390,8 @@ class _ManifestStore:
         if stat.S_ISLNK(st.st_mode):
             raise ManifestRejected(f"{path}: manifest is a symbolic link; refusing to follow it")
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: a FIFO named like a manifest must be refused below, not block this open.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
         except OSError as exc:

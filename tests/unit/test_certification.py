@@ -341,6 +341,16 @@ def test_malformed_manifest_fails_closed(tmp_path, edit, match):
         ledger.load_verified_durable()
 
 
+def test_fifo_named_like_a_manifest_is_refused_without_blocking(tmp_path):
+    ledger = CertificationLedger(1, make_store(tmp_path), durable=durable(tmp_path, Recorder()))
+    ledger.boundary(10, "clean", True)
+    path = tmp_path / "manifests" / manifest_name("ckpt-10-1")
+    path.unlink()
+    os.mkfifo(path, 0o600)  # a blocking open would wait for a writer forever
+    with pytest.raises(ManifestRejected, match="not a regular file"):
+        ledger.load_verified_durable()
+
+
 def test_pointer_to_a_non_verified_manifest_is_rejected(tmp_path):
     rec = Recorder()
     ledger = CertificationLedger(1, make_store(tmp_path), durable=durable(tmp_path, rec))
