@@ -201,7 +201,8 @@ def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
     canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
                            allow_nan=False, separators=(",", ":")).encode("utf-8")
     crc = zlib.crc32(canonical)
-    if CRC_KEY in doc["extra"]:
+    extra = doc.get("extra")
+    if isinstance(extra, dict) and CRC_KEY in extra:
         return crc
     for window in byte_windows(payload):
         crc = zlib.crc32(window, crc)

@@ -94,11 +94,11 @@ def _corrupted_in_transit(rank, world, tmp):
     if rank == 0:
         original = PeerReplicator._exchange_bytes
 
-        def corrupting(self, outgoing, incoming):
+        def corrupting(self, outgoing, incoming, tails):
             if self._corrupt:
                 outgoing = outgoing.clone()
                 outgoing[outgoing.numel() // 3] ^= 0x01  # the wire flips a bit; the slot itself is intact
-            original(self, outgoing, incoming)
+            original(self, outgoing, incoming, tails)
 
         PeerReplicator._corrupt = False
         PeerReplicator._exchange_bytes = corrupting

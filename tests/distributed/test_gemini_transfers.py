@@ -111,8 +111,8 @@ def _send_short_payload(manager):
     parts = manager._source_parts
 
     def short(name):
-        layout, structure, payload = parts(name)
-        return (layout, structure, payload[:-3]) if name.startswith("held:") else (layout, structure, payload)
+        layout, structure, payload, extra = parts(name)
+        return (layout, structure, payload[:-3] if name.startswith("held:") else payload, extra)
 
     manager._source_parts = short
 

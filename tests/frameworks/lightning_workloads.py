@@ -400,24 +400,18 @@ def fit_single_with_validation(rank: int, world: int, folder: str, phase: str) -
 def fit_boring(rank: int, world: int, folder: str, phase: str) -> Any:
     """Lightning's own BoringModel (its RandomDataset draws from the global generator inside
     train_dataloader()), enabled by LM_RESILIENCY=1 alone. phase 'kill': rank 1 is SIGKILLed
-    after step 7 (mid-epoch). 'resume': the relaunch, then an uninterrupted run without
-    lm-resiliency in the same processes. Returns final parameters and global step."""
+    after step 7 (mid-epoch). 'resume': the relaunch, then an uninterrupted run (another run id)
+    in the same processes. Returns final parameters and global step."""
     from lightning.pytorch.demos.boring_classes import BoringModel
-    from lightning.pytorch.strategies import DDPStrategy
 
-    def one(resilient: bool, kill_at: Optional[int]) -> Dict[str, Any]:
-        if resilient:
-            os.environ.update(LM_RESILIENCY="1", LM_RESILIENCY_INTERVAL="2", LM_RESILIENCY_RUN_ID="boring",
-                              LM_RESILIENCY_DIR=os.path.join(folder, "gemini"),
-                              LM_RESILIENCY_SHM_DIR=os.path.join(folder, "shm"), LM_RESILIENCY_DETECTION="0")
-        else:
-            os.environ.pop("LM_RESILIENCY", None)
+    def one(run_id: str, kill_at: Optional[int]) -> Dict[str, Any]:
+        os.environ.update(LM_RESILIENCY="1", LM_RESILIENCY_INTERVAL="2", LM_RESILIENCY_RUN_ID=run_id,
+                          LM_RESILIENCY_DIR=os.path.join(folder, run_id, "gemini"),
+                          LM_RESILIENCY_SHM_DIR=os.path.join(folder, run_id, "shm"), LM_RESILIENCY_DETECTION="0")
         L.seed_everything(0, verbose=False)
         model = BoringModel()
         callbacks: List[Callback] = [KillAt(kill_at)] if kill_at is not None and rank == 1 else []
-        # find_unused_parameters=True: DDP keeps its first-iteration bucket layout, so the relaunch
-        # sums gradients in the uninterrupted run's order on 3 ranks (docs/api.md, "DDP and bitwise resume").
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(find_unused_parameters=True),
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp",
                             max_steps=10, callbacks=callbacks,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=folder)
@@ -428,5 +422,7 @@ def fit_boring(rank: int, world: int, folder: str, phase: str) -> Any:
                 "global_step": int(trainer.global_step)}
 
     if phase == "kill":
-        return one(True, 7)
-    return one(True, None), one(False, None)
+        return one("boring", 7)
+    # The baseline is an uninterrupted resilient run of another run id (a plain DDP run sums its
+    # first step in DDP's initial bucket layout, which lm-resiliency pins away at attach).
+    return one("boring", None), one("boring-baseline", None)

@@ -408,7 +408,7 @@ def test_single_process_replay_is_clean_and_side_effect_free():
         assert before == after
         assert result.healthy and replay_fault_reports(result) == []
         assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters",
-                                                    "backward"}
+                                                    "backward", "optimizer_state"}
         assert all(c.group_ranks == (0,) and c.verdict == "clean" for c in result.checks)
         optimizer.step()
         optimizer.zero_grad()
