@@ -407,8 +407,9 @@ def test_single_process_replay_is_clean_and_side_effect_free():
                  structure_signature([p.grad for p in model.parameters()]), tensor_signature(torch.get_rng_state()))
         assert before == after
         assert result.healthy and replay_fault_reports(result) == []
+        # Adam has state to sign from the second step on.
         assert {c.check for c in result.checks} == {"embedding", "hidden", "output", "optimizer", "parameters",
-                                                    "backward", "optimizer_state"}
+                                                    "backward"} | ({"optimizer_state"} if step > 1 else set())
         assert all(c.group_ranks == (0,) and c.verdict == "clean" for c in result.checks)
         optimizer.step()
         optimizer.zero_grad()
