@@ -292,3 +292,65 @@ def test_user_comm_hook_still_runs_and_training_is_bitwise_equal():
             assert equal, (rank, user_hook, when)
             assert traced_calls == plain_calls, (rank, user_hook, when, plain_calls, traced_calls)
             assert (plain_calls > 0) == (user_hook is not None)
+
+
+# ------------------------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp2_hang(rank, world, out_dir, hung_rank, hang_step):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lm_resiliency import ReplayHarnessConfig, enable_resiliency
+
+    threading.Thread(target=_watchdog, args=(out_dir, rank), daemon=True).start()
+    torch.manual_seed(0)
+    model = Tower()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def on_report(report):
+        _write_json(os.path.join(out_dir, f"report-{rank}.json"), dict(report.to_json(), reported_at=time.time()))
+        open(os.path.join(out_dir, "stop"), "w").close()
+        os._exit(0)
+
+    session = enable_resiliency(model, optimizer, interval=4, enable_checkpoint=False, oob_fault_callback=on_report,
+                                replay=ReplayHarnessConfig(hang_stall_threshold_s=THRESHOLD_S,
+                                                           monitor_poll_interval_s=POLL_S))
+
+    def hang(module, args):
+        _write_json(os.path.join(out_dir, "blocked.json"), {"at": time.time()})
+        time.sleep(WATCHDOG_S * 2)
+
+    for step in range(1, 9):
+        if rank == hung_rank and step == hang_step:
+            model.layers[1].register_forward_pre_hook(hang)
+        try:
+            model(_batch(step, rank)).pow(2).mean().backward()
+        except Exception:
+            if os.path.exists(os.path.join(out_dir, "stop")):
+                os._exit(0)
+            raise
+        optimizer.step()
+        optimizer.zero_grad()
+    session.close()
+    return "not blocked"
+
+
+def test_fsdp2_hang_in_forward_is_named_exactly(tmp_path):
+    out_dir = str(tmp_path)
+    outcomes = run_ranks(_fsdp2_hang, 4, out_dir, 1, 6, timeout=120, check=False)
+    assert [(o.rank, o.exitcode, o.error) for o in outcomes] == [(r, 0, None) for r in range(4)], outcomes
+    reports = sorted(n for n in os.listdir(out_dir) if n.startswith("report-"))
+    assert len(reports) == 1, reports
+    with open(os.path.join(out_dir, reports[0])) as f:
+        report = json.load(f)
+    with open(os.path.join(out_dir, "blocked.json")) as f:
+        blocked_at = json.load(f)["at"]
+    assert report["kind"] == "hang" and report["scope"] == "rank", report
+    assert report["ranks"] == [1], report["evidence"]
+    latency = report["detected_at"] - blocked_at
+    assert THRESHOLD_S * 0.5 <= latency <= 2 * THRESHOLD_S, latency
