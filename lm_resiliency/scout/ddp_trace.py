@@ -10,9 +10,9 @@ registers one comm hook on the `DistributedDataParallel` object; it runs the use
 * records when this rank handed its last bucket to the all-reduce (every local gradient ready)
   and when its last bucket came back: a rank's own work in step k is the time from its release
   at step k-1 to its arrival at step k (`take_step`), whichever part of the step is slow.
-* checks each bucket for non-finite values before it is reduced (one `isfinite().all()`
-  reduction per bucket, kept on the device; read once per step) and each reduced bucket after
-  (one more), so the rank where a NaN/Inf first appears is told apart from ranks it spread to.
+* checks each bucket for non-finite values before it is reduced (one `aminmax` reduction per
+  bucket, kept on the device; read once per step) and each reduced bucket after (one `sum`), so
+  the rank where a NaN/Inf first appears is told apart from the ranks it spread to.
 
 Composition: DDP accepts one comm hook. A hook the user registers later (`register_comm_hook`,
 or the built-in ALLREDUCE / FP16_COMPRESS types) replaces the inner hook of the trace instead;
@@ -65,7 +65,7 @@ class GradientBucketTrace:
         self._inner: Tuple[Any, Callable] = (ddp.process_group, default_hooks.allreduce_hook)
         self._names: Dict[int, str] = {id(p): n for n, p in ddp.module.named_parameters()}
         self._lock = threading.Lock()
-        self._local: List[Tuple[int, torch.Tensor, List[torch.Tensor]]] = []
+        self._local: List[Tuple[int, torch.Tensor, List[torch.Tensor]]] = []   # (index, [min, max], params)
         self._reduced: List[torch.Tensor] = []
         self._arrival: Optional[float] = None
         self._release: Optional[float] = None
@@ -122,10 +122,11 @@ class GradientBucketTrace:
         if not self._active:  # the session closed; DDP keeps the hook, which now only reduces
             state, inner = self._inner
             return inner(state, bucket)
-        buffer = bucket.buffer()
-        finite = torch.isfinite(buffer).all()
+        # min and max are NaN or infinite exactly when some element is: one pass, no temporary,
+        # about 10x cheaper than isfinite().all() on CPU. Read once per step, so no sync here.
+        extremes = torch.stack(torch.aminmax(bucket.buffer()))
         with self._lock:
-            self._local.append((bucket.index(), finite, bucket.parameters()))
+            self._local.append((bucket.index(), extremes, bucket.parameters()))
             self._arrival = time.monotonic()
             state, inner = self._inner
         self.beacon.enter(BUCKET_OP, on_training_thread=True)
@@ -139,8 +140,10 @@ class GradientBucketTrace:
     def _done(self, future: torch.futures.Future) -> Any:
         try:
             value = future.value()
-            if isinstance(value, torch.Tensor):
-                reduced = torch.isfinite(value).all()
+            if isinstance(value, torch.Tensor) and value.numel():
+                # A sum is non-finite when any element is (or, rarely, when it overflows, which
+                # only withholds an origin report at the next step): half the cost of aminmax.
+                reduced = value.sum(dtype=torch.float32 if value.element_size() < 4 else None).reshape(1)
                 with self._lock:
                     self._reduced.append(reduced)
             return value
@@ -167,9 +170,10 @@ class GradientBucketTrace:
             self._arrival = None
         if not local:
             return None
-        flags = torch.stack([flag for _, flag, _ in local] + reduced).cpu().tolist()
-        bad = [i for i, ok in enumerate(flags[:len(local)]) if not ok]
-        reduced_bad = not all(flags[len(local):])
+        values = torch.cat([extremes.float() for _, extremes, _ in local] + [r.float() for r in reduced])
+        finite = torch.isfinite(values).cpu().tolist()
+        bad = [i for i in range(len(local)) if not (finite[2 * i] and finite[2 * i + 1])]
+        reduced_bad = not all(finite[2 * len(local):])
         names: List[str] = []
         for i in bad:
             names += [self._names.get(id(p), f"<bucket {local[i][0]} parameter {j}>")
