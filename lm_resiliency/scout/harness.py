@@ -5,9 +5,12 @@ Per optimizer step k:
   after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
                                                        collective probe (every `probe_interval`
                                                        steps) -> ReplayResult
-  after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor
+  after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor;
+                                                       under DDP, this step's own-work time and
+                                                       the non-finite origin check (ddp_trace.py)
 The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
-the training thread is stuck in a collective.
+the training thread is stuck in a collective. Under DDP a comm hook marks each gradient bucket
+for it, and the per-rank own-work times are exchanged at check steps (whole-rank stragglers).
 """
 
 from __future__ import annotations
