@@ -1,9 +1,10 @@
 """The private DDP attributes SCOUT's gradient-bucket trace reads, written against torch 2.13.
 
-Only here: `DistributedDataParallel._comm_hooks` (the Python comm hooks already registered) and
-`_get_ddp_logging_data()["comm_hook"]` (the name of any hook, C++ built-ins included). If a later
-torch drops either, `registered_hook_name` says so (returns "unknown") and the trace is not
-installed rather than risking a second registration.
+Only here: `DistributedDataParallel._comm_hooks` (the Python comm hooks already registered),
+`_get_ddp_logging_data()["comm_hook"]` (the name of any hook, C++ built-ins included) and
+`_use_python_reducer` (compiled autograd's reducer, which calls hooks per parameter, not per
+bucket). If a later torch drops one, these answer "unknown" / True and the trace is not installed
+rather than risking a second registration or the wrong hook signature.
 """
 
 from __future__ import annotations
@@ -30,3 +31,9 @@ def registered_hook_name(ddp: Any) -> Optional[str]:
     if hooks is None:
         return UNKNOWN
     return name or None
+
+
+def uses_python_reducer(ddp: Any) -> bool:
+    """True when DDP reduces through its Python reducer (compiled autograd), whose hooks receive
+    (grad, param) pairs, not buckets; also True when this torch does not say (fail closed)."""
+    return bool(getattr(ddp, "_use_python_reducer", True))

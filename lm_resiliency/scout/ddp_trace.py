@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.scout._ddp_hooks_torch213 import registered_hook_name
+from lm_resiliency.scout._ddp_hooks_torch213 import registered_hook_name, uses_python_reducer
 from lm_resiliency.scout.monitor import COMMUNICATION_OP_PREFIX, ProgressBeacon
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class GradientBucketTrace:
 
     # No annotations: DDP compares them with the real types, and this module's are strings.
     def _hook(self, _state, bucket):  # type: ignore[no-untyped-def]
-        if not self._active:  # the session closed; DDP keeps the hook, which now only reduces
+        if not self._active:  # after close DDP keeps the hook, which then only reduces
             state, inner = self._inner
             return inner(state, bucket)
         # min and max are NaN or infinite exactly when some element is: one pass, no temporary,
@@ -213,6 +213,11 @@ def install_ddp_trace(model: Any, beacon: ProgressBeacon) -> Optional[GradientBu
     no DDP object or a comm hook is already registered (a warning then says what is lost)."""
     ddp = find_ddp(model)
     if ddp is None:
+        return None
+    if uses_python_reducer(ddp):
+        logger.warning("SCOUT: DDP reduces through its Python reducer (compiled autograd); SCOUT's gradient-"
+                       "bucket trace is off: hangs inside DDP's all-reduce are not pinned on a rank, "
+                       "rank-level stragglers and the non-finite origin check are off")
         return None
     existing = registered_hook_name(ddp)
     if existing is not None:
