@@ -140,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for fault in classes:
         scored = []
         for trial in range(args.trials):
-            faulty = (trial * 2 + 1) % args.ranks
+            faulty = (3 * trial + 1) % args.ranks  # 1, 0, 3, 2, ... with 4 ranks
             work = tempfile.mkdtemp(prefix="detection-bench-")
             try:
                 results = run_ranks(rank_main, args.ranks, {"timeout": args.timeout}, work, fault, faulty,
