@@ -294,7 +294,7 @@ class ResiliencySession:
         with self._lock:
             self.step_count += 1
             if self.scout is not None:
-                self.scout.after_optimizer_step(self.step_count)
+                self._note_local_fault(self.scout.after_optimizer_step(self.step_count))
             if not self._capture_due():
                 return
             nonfinite = self._nonfinite_state() if self.config.check_finite else []
@@ -347,7 +347,7 @@ class ResiliencySession:
         with self._lock:
             self.step_count += 1
             if self.scout is not None:
-                self.scout.after_optimizer_step(self.step_count)
+                self._note_local_fault(self.scout.after_optimizer_step(self.step_count, skipped=True))
 
     def _before_forward(self) -> None:
         if self._pending is not None:
@@ -369,6 +369,14 @@ class ResiliencySession:
             dispatch_replay_faults(result, self._orchestration,
                                    topology=self.manager.topology if self.manager else None,
                                    step_source=self._local_checkpoint)
+
+    def _note_local_fault(self, report: Optional[SCOUTFaultReport]) -> None:
+        """A fault this rank found on its own (non-finite gradients before the all-reduce): the
+        interval is not certified (the capture boundary agrees on the worst verdict of any rank)."""
+        if report is None:
+            return
+        self._boundary_verdict = "sdc"
+        self._on_oob_report(report)
 
     def _local_checkpoint(self, mode: RecoveryMode) -> tuple:
         """Rank-local, non-collective: the checkpoint a restart in `mode` would use."""

@@ -5,9 +5,12 @@ Per optimizer step k:
   after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
                                                        collective probe (every `probe_interval`
                                                        steps) -> ReplayResult
-  after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor
+  after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor;
+                                                       under DDP, this step's own-work time and
+                                                       the non-finite origin check (ddp_trace.py)
 The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
-the training thread is stuck in a collective.
+the training thread is stuck in a collective. Under DDP a comm hook marks each gradient bucket
+for it, and the per-rank own-work times are exchanged at check steps (whole-rank stragglers).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import contextlib
 import itertools
 import logging
 import socket
+import statistics
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
@@ -23,12 +28,13 @@ from torch import nn
 
 from lm_resiliency import wire
 from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
 from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
-from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
+from lm_resiliency.scout.reports import SCOPE_RANK, SDC, ReplayResult, SCOUTFaultReport
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
 from lm_resiliency.scout.sweep import FullCatalogSweep
 
@@ -66,6 +72,10 @@ class ScoutHarness:
         self.monitor: Optional[OOBMonitor] = None
         self._probe: Optional[CollectiveProbe] = None
         self._trace = None
+        self._ddp_trace: Optional[GradientBucketTrace] = None
+        self._work_samples: List[float] = []
+        self._armed_work_samples: List[float] = []   # steps whose forward captured for a replay
+        self._armed = False
         self._groups: List[Any] = []
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
@@ -103,6 +113,11 @@ class ScoutHarness:
                             "(%.1f%% of their bytes)%s", cover["checks"], cover["steps"], 100 * cover["parameters"],
                             100 * cover["bytes"], missing)
         self.compute = ComputeStragglerDetector(config, group_ranks, hosts)
+        # Rank-level stragglers: each rank's own work per step, compared across the same peers.
+        self.rank_work = ComputeStragglerDetector(config, group_ranks, hosts)
+        self._replay_group = replay_group
+        self._exchange_timeout_s = bound
+        self.host = hosts.get(self.rank, "")
         self.communication = CommunicationStragglerLocalizer(config, hosts)
         if self.world_size > 2 and probe_collectives:
             self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
@@ -113,6 +128,7 @@ class ScoutHarness:
             self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,
                                       on_report=on_oob_report, host=hosts.get(self.rank), prefix=prefix).start()
             self._trace = trace_collectives(self.beacon)
+            self._ddp_trace = install_ddp_trace(model, self.beacon)
         # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
         self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
             if self.detector is not None else None
@@ -135,7 +151,8 @@ class ScoutHarness:
         return dict(enumerate(names))
 
     def before_forward(self, step: int) -> None:
-        if self.detector is not None and self.detector.checks_due(step):
+        self._armed = self.check_due(step)
+        if self._armed:
             self.detector.arm(step)
             if self.sweep is not None:
                 self.sweep.record(step)
@@ -154,10 +171,29 @@ class ScoutHarness:
                         and c.timings_s), None)
         if timings and len(timings) >= 3:
             findings += self.compute.observe(timings)
+        if self._replay_group is not None and len(self.rank_work.group_ranks) >= 3:
+            with self._own_section("scout_step_timings", step):
+                findings += self._rank_work_round()
         if self._probe is not None and step % self.config.probe_interval == 0:
             with self._own_section("scout_probe", step):
                 findings += self.communication.observe(self._probe.measure())
         return ReplayResult(step, result.checks, tuple(findings))
+
+    def _rank_work_round(self) -> list:
+        """Exchange each peer's median own work per step since the last check (one small gather
+        per check, none per step) and judge it; every peer reaches the same verdict."""
+        # A step whose forward recorded inputs for a replay is slower on every rank, by a noisy
+        # amount that would dilute the ratio test: judged on the other steps where there are any.
+        samples = self._work_samples or self._armed_work_samples
+        local = statistics.median(samples) if samples else None
+        self._work_samples, self._armed_work_samples = [], []
+        values = wire.all_gather_json(local, group=self._replay_group, timeout_s=self._exchange_timeout_s)
+        ranks = dist.get_process_group_ranks(self._replay_group)
+        timings = {r: float(v) for r, v in zip(ranks, values) if v is not None}
+        if len(timings) < 3:
+            return []
+        return [replace(f, evidence=dict(f.evidence, measure="rank_step_work"))
+                for f in self.rank_work.observe(timings)]
 
     @contextlib.contextmanager
     def _own_section(self, op: str, step: int) -> Iterator[None]:
@@ -166,6 +202,8 @@ class ScoutHarness:
         untraced = self._trace.untraced() if self._trace is not None else contextlib.nullcontext()
         with self.beacon.track(op, step), untraced:
             yield
+        if self._ddp_trace is not None:
+            self._ddp_trace.released()
 
     def exclude_groups(self, *groups: Any) -> None:
         """Process groups lm-resiliency owns (GEMINI, certification agreement): their traffic is
@@ -173,10 +211,31 @@ class ScoutHarness:
         if self._trace is not None:
             self._trace.exclude(*groups)
 
-    def after_optimizer_step(self, step: int) -> None:
+    def after_optimizer_step(self, step: int, skipped: bool = False) -> Optional[SCOUTFaultReport]:
+        """Progress for the monitor; returns an SDC report when this rank is where non-finite
+        gradients first appeared in step `step` (`skipped`: the optimizer did not apply them)."""
         self.beacon.progress(step)
         if self.monitor is not None:
             self.monitor.check()  # a failed report callback or a dead monitor surfaces here
+        trace = self._ddp_trace.take_step(skipped) if self._ddp_trace is not None else None
+        if trace is None:
+            return None
+        if trace.own_work_s is not None:
+            (self._armed_work_samples if self._armed else self._work_samples).append(trace.own_work_s)
+        return self._non_finite_report(trace, step) if trace.origin else None
+
+    def _non_finite_report(self, trace: StepTrace, step: int) -> SCOUTFaultReport:
+        report = SCOUTFaultReport(
+            kind=SDC, scope=SCOPE_RANK, ranks=(self.rank,), hosts=(self.host,), resource="gradients:non_finite",
+            evidence={"check": "non_finite_origin", "buckets": list(trace.non_finite_buckets),
+                      "parameters": list(trace.non_finite_parameters),
+                      "spread_by_all_reduce": trace.reduced_non_finite,
+                      "detail": "non-finite local gradients before DDP's all-reduce, on this rank only: "
+                                "the job was finite before this step"},
+            confidence=1.0, step=step)
+        logger.error("SCOUT: non-finite gradients first appeared on rank %d at step %d (parameters %s)",
+                     self.rank, step, list(trace.non_finite_parameters))
+        return report
 
     def instrument_dataloader(self, dataloader: Any, name: str) -> Any:
         return instrument_dataloader(dataloader, self.beacon, name)
@@ -188,6 +247,9 @@ class ScoutHarness:
         if self._trace is not None:
             self._trace.remove()
             self._trace = None
+        if self._ddp_trace is not None:
+            self._ddp_trace.remove()
+            self._ddp_trace = None
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None

@@ -85,6 +85,7 @@ COLLECTIVE_OPS = frozenset({
     "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
     "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list",
     "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+    "all_gather_single", "reduce_scatter_single",   # FSDP2 issues its sharded collectives through these
 })
 
 # Confidence of a hang verdict, by the rule that last narrowed the culprits.
@@ -155,11 +156,17 @@ class ProgressBeacon:
         self._last_op: Optional[str] = None
         self._progress_thread: Optional[int] = None
 
-    def enter(self, op: str, step: Optional[int] = None) -> None:
-        """Mark the start of `op` on the calling thread (optionally recording the current step)."""
+    def enter(self, op: str, step: Optional[int] = None, *, on_training_thread: bool = False) -> None:
+        """Mark the start of `op` on the calling thread (optionally recording the current step).
+
+        `on_training_thread`: record it as the training thread's op (the thread that calls
+        `progress()`) even when called from another thread, e.g. DDP's gradient hooks, which run
+        on the autograd engine's device threads on GPUs while the training thread waits."""
         now = time.monotonic()
         tid = threading.get_ident()
         with self._lock:
+            if on_training_thread and self._progress_thread is not None:
+                tid = self._progress_thread
             self._seq += 1
             stack = self._stacks.get(tid)
             if stack is None:
