@@ -21,7 +21,6 @@ class FrameworkName(str, enum.Enum):
 
 
 _NOT_YET = {
-    FrameworkName.TORCHTITAN: "a TorchTitan Trainer",
     FrameworkName.MEGATRON: "Megatron Core model chunks",
 }
 
@@ -91,7 +90,7 @@ def enable_resiliency(
         load_fallback=load_fallback, recovery_mode=mode, orchestration=orchestration,
         fault_callback=fault_callback, oob_fault_callback=oob_fault_callback,
         durable_checkpoint=durable_checkpoint)
-    if selected is FrameworkName.DEEPSPEED:
+    if selected in (FrameworkName.DEEPSPEED, FrameworkName.TORCHTITAN):
         adapter.bind_session(session)  # step_count follows engine.global_steps; load_checkpoint guard
     try:
         session.recover()
@@ -110,6 +109,10 @@ def _build_adapter(framework: FrameworkName, obj: Any, optimizer: Any, config: I
         from lm_resiliency.callbacks.deepspeed import build_adapter
 
         return build_adapter(obj, optimizer, options)
+    if framework is FrameworkName.TORCHTITAN:
+        from lm_resiliency.callbacks.torchtitan import build_adapter as build_torchtitan_adapter
+
+        return build_torchtitan_adapter(obj, optimizer, options)
     from lm_resiliency.adapters.pytorch import SUPPORTED_OPTIONS, PyTorchAdapter
 
     unsupported = sorted(set(options) - SUPPORTED_OPTIONS)
