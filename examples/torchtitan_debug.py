@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def titan_args(args: argparse.Namespace, extra: list) -> list:
     argv = ["--module", "lm_resiliency.integrations.torchtitan", "--config", "llama3_debugmodel",
             "--training.steps", str(args.steps), "--dump-folder", args.out,
-            "--checkpoint.resiliency-interval", str(args.interval)]
+            "--checkpoint.resiliency-interval", str(args.interval), "--checkpoint.resiliency-run-id", args.run_id]
     if args.cpu:
         from tests.frameworks import torchtitan_cpu
 
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--out", default="./outputs/titan-demo", help="TorchTitan dump folder")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--interval", type=int, default=2, help="GEMINI capture interval")
+    parser.add_argument("--run-id", default="torchtitan-debug",
+                        help="GEMINI run identity; the same on every launch of this run, so a relaunch resumes")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if args.cpu:

@@ -17,7 +17,7 @@ KILL_AT = 6      # SIGKILL in the forward of step 6: step 5 done, GEMINI's step-
 INTERVAL = 2
 
 
-def _resilient_trainer(folder: str, dump: str, *extra: str, steps: int = STEPS) -> Any:
+def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: bool = False) -> Any:
     """The trainer TorchTitan's train.py would build from this command line."""
     torchtitan_cpu.apply()
     from torchtitan.config import ConfigManager
@@ -26,9 +26,9 @@ def _resilient_trainer(folder: str, dump: str, *extra: str, steps: int = STEPS) 
         "--module", "lm_resiliency.integrations.torchtitan", "--config", "llama3_debugmodel",
         "--checkpoint.resiliency-interval", str(INTERVAL), "--checkpoint.no-resiliency-detection",
         "--checkpoint.resiliency-folder", os.path.join(folder, "gemini"),
-        "--checkpoint.resiliency-run-id", "titan", "--checkpoint.resiliency-shm-dir", os.path.join(folder, "shm"),
-        *extra])
+        "--checkpoint.resiliency-run-id", "titan", "--checkpoint.resiliency-shm-dir", os.path.join(folder, "shm")])
     config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), dump, steps=steps, config=config)
+    config.checkpoint.enable = durable  # TorchTitan's own (DCP) checkpoints
     return config.build()
 
 
@@ -79,7 +79,7 @@ def kill_then_resume(rank: int, world: int, folder: str, phase: str) -> Any:
 def durable_conflict(rank: int, world: int, folder: str, durable_dump: str) -> str:
     """GEMINI holds step 4 (the killed run); TorchTitan's checkpoint folder `durable_dump` holds a newer
     step 6. train() must refuse the durable load before training."""
-    trainer = _resilient_trainer(folder, durable_dump, "--checkpoint.enable")
+    trainer = _resilient_trainer(folder, durable_dump, durable=True)
     try:
         trainer.train()
     except RuntimeError as exc:
