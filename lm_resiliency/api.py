@@ -23,7 +23,6 @@ class FrameworkName(str, enum.Enum):
 
 
 _NOT_YET = {
-    FrameworkName.TORCHTITAN: "a TorchTitan Trainer",
     FrameworkName.MEGATRON: "Megatron Core model chunks",
 }
 
@@ -93,6 +92,10 @@ def attach_framework(framework: FrameworkName, obj: Any, optimizer: Any, options
         from lm_resiliency.callbacks.deepspeed import attach_engine
 
         return attach_engine(obj, options, optimizer, framework_options)
+    if framework is FrameworkName.TORCHTITAN:
+        from lm_resiliency.callbacks.torchtitan import attach_trainer
+
+        return attach_trainer(obj, options, optimizer, framework_options)
     adapter = _build_adapter(framework, obj, optimizer, options, framework_options)
     return attach(adapter, options)
 

@@ -423,6 +423,12 @@ class ResiliencySession:
         """Whether the step just counted is a GEMINI capture boundary."""
         return self._capture_due()
 
+    def keep_state_for_relaunch(self) -> None:
+        """The surface is ending this launch abnormally: `close()` keeps GEMINI's shared-memory
+        slots (possibly the only copy of the newest capture) for the relaunch."""
+        if self.manager is not None:
+            self.manager.keep_shared_on_close()
+
     def continue_from(self, step: int) -> None:
         """Count on from `step`: the framework restored its own step counter (its checkpoint was
         loaded instead of GEMINI state), and `step_count` follows it."""

@@ -822,6 +822,11 @@ class InMemoryCheckpointManager:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
+    def keep_shared_on_close(self) -> None:
+        """This process is ending abnormally: `close()` keeps the shared-memory slots for a
+        relaunch of the same run, as after a signal or an uncaught exception."""
+        self._keep_shared = True
+
     def close(self, keep_shared: Optional[bool] = None) -> None:
         """Finish background work (bounded), release the process group and the host slots.
         Idempotent.

@@ -1,0 +1,113 @@
+"""Rank functions for tests/frameworks/test_torchtitan.py: TorchTitan's real Trainer on CPU/gloo.
+
+The resiliency runs are switched on from TorchTitan's command line only (`--module
+lm_resiliency.integrations.torchtitan`); nothing in them calls lm-resiliency.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Dict
+
+from tests.frameworks import torchtitan_cpu
+
+STEPS = 6
+KILL_AT = 6      # SIGKILL in the forward of step 6: step 5 done, GEMINI's step-4 capture complete
+INTERVAL = 2
+
+
+def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: bool = False) -> Any:
+    """The trainer TorchTitan's train.py would build from this command line."""
+    torchtitan_cpu.apply()
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args([
+        "--module", "lm_resiliency.integrations.torchtitan", "--config", "llama3_debugmodel",
+        "--checkpoint.resiliency-interval", str(INTERVAL), "--checkpoint.no-resiliency-detection",
+        "--checkpoint.resiliency-folder", os.path.join(folder, "gemini"),
+        "--checkpoint.resiliency-run-id", "titan", "--checkpoint.resiliency-shm-dir", os.path.join(folder, "shm")])
+    config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), dump, steps=steps, config=config)
+    config.checkpoint.enable = durable  # TorchTitan's own (DCP) checkpoints
+    return config.build()
+
+
+def final_state(trainer: Any) -> Dict[str, Any]:
+    """This rank's model shards, optimizer state, LR and counters after training."""
+    import torch
+
+    optimizer = trainer.optimizers.optimizers[0]
+    model, moments = {}, {}
+    for name, p in trainer.model_parts[0].named_parameters():
+        model[name] = p.to_local().detach().clone()
+        moments[name] = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+                         for k, v in sorted(optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)}
+    return {"model": model, "optimizer": moments, "step": trainer.step, "ntokens_seen": trainer.ntokens_seen,
+            "lr": [group["lr"] for group in optimizer.param_groups]}
+
+
+def kill_then_resume(rank: int, world: int, folder: str, phase: str) -> Any:
+    """phase 'kill': train and SIGKILL this rank at step KILL_AT; 'resume': the same command again
+    (GEMINI step 4, then on to STEPS); 'baseline': uninterrupted, without lm-resiliency, saving a
+    TorchTitan (DCP) checkpoint at the last step."""
+    if phase == "baseline":
+        torchtitan_cpu.apply()
+        config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), os.path.join(folder, "dump"),
+                                             steps=STEPS)
+        config.checkpoint.enable, config.checkpoint.interval = True, STEPS
+        trainer = config.build()
+        trainer.train()
+        state = final_state(trainer)
+        trainer.close()
+        return {"first_step": 1, "state": state}
+    trainer = _resilient_trainer(folder, os.path.join(folder, "dump"))
+    seen = []
+
+    def watch(module: Any, args: Any) -> None:
+        seen.append(trainer.step)
+        if phase == "kill" and trainer.step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.model_parts[0].register_forward_pre_hook(watch)
+    trainer.train()
+    recovered_from = trainer.checkpointer.resiliency.recovered_from
+    state = final_state(trainer)
+    trainer.close()  # closes the session first
+    return {"first_step": seen[0], "recovered_from": recovered_from, "state": state}
+
+
+def durable_conflict(rank: int, world: int, folder: str, durable_dump: str) -> str:
+    """GEMINI holds step 4 (the killed run); TorchTitan's checkpoint folder `durable_dump` holds a newer
+    step 6. train() must refuse the durable load before training."""
+    trainer = _resilient_trainer(folder, durable_dump, durable=True)
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        trainer.close()
+    raise AssertionError("train() loaded the durable checkpoint over GEMINI's state")
+
+
+def one_rank_checks(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    """One rank, three steps, switched on from the command line: what attaching refuses, the step count
+    and capture it keeps, and a durable load after training started."""
+    from lm_resiliency import enable_resiliency
+
+    trainer = _resilient_trainer(folder, os.path.join(folder, "dump"), steps=INTERVAL + 1)
+    out: Dict[str, Any] = {}
+    try:
+        enable_resiliency(trainer, trainer.optimizers)
+    except TypeError as exc:
+        out["optimizer_refused"] = str(exc)
+    trainer.train()
+    session = trainer.checkpointer.resiliency
+    out["step_count"], out["trainer_step"] = session.step_count, trainer.step
+    out["latest"] = session.manager.find_latest()
+    try:
+        trainer.checkpointer.load()
+    except RuntimeError as exc:
+        out["late_load_refused"] = str(exc)
+    trainer.close()
+    out["hooks_removed"] = "load" not in vars(trainer.checkpointer)
+    return out
