@@ -181,6 +181,7 @@ def _ddp_nan(rank, world, folder, nan_rank, nan_step):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+    from lm_resiliency.experimental import NonFiniteState
 
     torch.manual_seed(0)
     model = Tower()
@@ -198,27 +199,31 @@ def _ddp_nan(rank, world, folder, nan_rank, nan_step):
     session = enable_resiliency(ddp, optimizer, interval=2, oob_fault_callback=lambda r: reports.append(r.to_json()),
                                 checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="nan-origin",
                                                               replication_jump=1, timeout_s=60))
-    finite_grads = []
+    finite_grads, refused = [], None
     for step in range(1, 7):
         state["step"] = step
         ddp(_batch(step, rank)).pow(2).mean().backward()
         finite_grads.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
-        optimizer.step()
+        try:
+            optimizer.step()
+        except NonFiniteState:
+            refused = step  # the next boundary refuses the NaN parameters on every rank: training stops
+            break
         optimizer.zero_grad()
     session.flush_for_restart()
     session.manager._drain()
     own_steps = sorted(k.step for k in session.manager.store.list_shards() if k.kind == "own")
     session.close()
-    return {"reports": reports, "own_steps": own_steps, "finite_grads": finite_grads}
+    return {"reports": reports, "own_steps": own_steps, "finite_grads": finite_grads, "refused": refused}
 
 
 def test_nan_in_one_rank_is_reported_on_that_rank_before_it_spreads(tmp_path):
     results = run_ranks(_ddp_nan, 4, str(tmp_path), 1, 3, timeout=120)
     for rank, result in enumerate(results):
         # The all-reduce spread it: every replica's reduced gradients are non-finite from step 3 on.
-        assert result["finite_grads"] == [True, True, False, False, False, False], (rank, result)
-        # Step 3's interval (boundary 4) is not captured on any rank; step 2 was.
-        assert 2 in result["own_steps"] and 4 not in result["own_steps"], (rank, result)
+        assert result["finite_grads"] == [True, True, False, False], (rank, result)
+        # Step 3's interval (boundary 4) is not captured on any rank and stops training; step 2 was captured.
+        assert result["refused"] == 4 and 2 in result["own_steps"] and 4 not in result["own_steps"], (rank, result)
         if rank != 1:
             assert result["reports"] == [], (rank, result)
     (report,) = results[1]["reports"]
@@ -232,7 +237,7 @@ def test_nan_in_one_rank_is_reported_on_that_rank_before_it_spreads(tmp_path):
 def test_clean_run_with_checkpoints_reports_nothing(tmp_path):
     results = run_ranks(_ddp_nan, 4, str(tmp_path), None, 0, timeout=120)
     for rank, result in enumerate(results):
-        assert result["reports"] == [] and all(result["finite_grads"]), (rank, result)
+        assert result["reports"] == [] and all(result["finite_grads"]) and result["refused"] is None, (rank, result)
         assert result["own_steps"][-1] == 6, (rank, result)
 
 
@@ -263,7 +268,14 @@ def _train_plain_or_traced(rank, traced, user_hook, when):
                       "fp16": default_hooks.fp16_compress_hook}[user_hook], calls) if user_hook else None
     if hook is not None and when == "before":
         ddp.register_comm_hook(None, hook)
-    session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False) if traced else None
+    if traced:
+        session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False)
+    else:
+        # The same gradient-bucket layout lm-resiliency pins at attach: only the trace differs.
+        from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
+
+        session = None
+        pin_bucket_layout(ddp)
     if hook is not None and when == "after":
         ddp.register_comm_hook(None, hook)
     for step in range(1, 5):
