@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,9 +260,12 @@ def self_test(dtype: str) -> int:
     expected = torch.load(os.path.join(uninterrupted, "final.pt"), weights_only=True)
     actual = torch.load(os.path.join(managed, "final.pt"), weights_only=True)
     different = [name for name in expected if not torch.equal(expected[name], actual[name])]
-    if "resumed at iter" not in out_c or different:
-        print(f"FAIL: no resume line, or final parameters differ: {different}")
+    # The library's own line (rank 0, WARNING: visible with default logging) says what was recovered.
+    library_line = re.search(r"lm-resiliency: resumed run '[^']+' at step \d+ from .*", err_c)
+    if "resumed at iter" not in out_c or library_line is None or different:
+        print(f"FAIL: no resume line, or final parameters differ: {different}\n{err_c[-3000:]}")
         return 1
+    print(library_line.group(0))
     print("OK: the relaunched run finished bitwise equal to the uninterrupted run")
     return 0
 
