@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
 from lm_resiliency.attach import AttachOptions
 from lm_resiliency.config import read_settings
 
@@ -186,7 +186,7 @@ def _shape_of(value: Any) -> Any:
     return value
 
 
-class DeepSpeedAdapter(FrameworkAdapter):
+class DeepSpeedAdapter(HookFactoryAdapter):
     """Adapter for one `deepspeed.initialize()` engine (data parallel, ZeRO stage 0-3).
 
     `hooks` registers the lifecycle hooks on the engine: a callable `(adapter, callbacks) -> object
@@ -232,8 +232,7 @@ class DeepSpeedAdapter(FrameworkAdapter):
         if self.stage > 0 and not callable(getattr(self.optimizer, "load_state_dict", None)):
             raise TypeError(f"DeepSpeed adapter: the ZeRO-{self.stage} optimizer {type(self.optimizer).__name__} "
                             "has no load_state_dict()")
-        self._hooks_factory = hooks
-        self._hooks: Any = None
+        HookFactoryAdapter.__init__(self, hooks)
         self.session: Any = None
         self.recovered_step: Optional[int] = None  # set when GEMINI state was loaded into the engine
 
@@ -418,18 +417,6 @@ class DeepSpeedAdapter(FrameworkAdapter):
                                      f"{tuple(value.shape)}, the parameter has {tuple(param.shape)}")
 
     # ------------------------------------------------------------------ hooks
-
-    def install(self, callbacks: StepCallbacks) -> None:
-        self._remove_hooks()  # not remove(): a subclass's remove() may undo more than the hooks
-        self._hooks = self._hooks_factory(self, callbacks)
-
-    def remove(self) -> None:
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.remove()
 
     def replay_targets(self) -> tuple:
         # Layer replay compares the module on every data-parallel peer: its parameters are replicated

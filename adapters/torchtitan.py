@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters.pytorch import rewrap_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _stateful_loader_class() -> Any:
     return StatefulDataLoader
 
 
-class TorchTitanAdapter(FrameworkAdapter):
+class TorchTitanAdapter(HookFactoryAdapter):
     """Adapter for one initialized TorchTitan `Trainer` (see module doc).
 
     `hooks` registers the lifecycle hooks: a callable `(adapter, callbacks) -> object with
@@ -97,8 +97,7 @@ class TorchTitanAdapter(FrameworkAdapter):
         if not isinstance(trainer.dataloader, _stateful_loader_class()):
             raise TypeError(f"TorchTitan adapter: the dataloader {type(trainer.dataloader).__name__} is not a "
                             "torchdata StatefulDataLoader, so its position cannot be captured")
-        self._hooks_factory = hooks
-        self._hooks: Any = None
+        HookFactoryAdapter.__init__(self, hooks)
         self._boundary: Optional[Dict[str, Any]] = None
         self.session: Any = None
         self.recovered_step: Optional[int] = None  # set when GEMINI state was loaded into the trainer
@@ -201,18 +200,6 @@ class TorchTitanAdapter(FrameworkAdapter):
                                      "parallel layout changed? GEMINI restores the same layout only)")
 
     # ------------------------------------------------------------------ hooks
-
-    def install(self, callbacks: StepCallbacks) -> None:
-        self._remove_hooks()
-        self._hooks = self._hooks_factory(self, callbacks)
-
-    def remove(self) -> None:
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.remove()
 
     def replay_targets(self) -> tuple:
         return self.model_parts[0], self.optimizers[0]

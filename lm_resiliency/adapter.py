@@ -72,6 +72,27 @@ class FrameworkAdapter:
         return self.framework
 
 
+class HookFactoryAdapter(FrameworkAdapter):
+    """An adapter whose framework hooks are one object built by its surface's factory,
+    `hooks(adapter, callbacks)`, which has a `remove()` (DeepSpeed, TorchTitan)."""
+
+    def __init__(self, hooks: Callable[..., Any]) -> None:
+        self._hooks_factory = hooks
+        self._hooks: Any = None
+
+    def install(self, callbacks: StepCallbacks) -> None:
+        self._remove_hooks()  # not remove(): a subclass's remove() may undo more than the hooks
+        self._hooks = self._hooks_factory(self, callbacks)
+
+    def remove(self) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.remove()
+
+
 def check_extra_state(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """Caller-owned state must not smuggle in model/optimizer state (the adapter owns those)."""
     if extra is None:
