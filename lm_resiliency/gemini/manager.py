@@ -69,6 +69,7 @@ class InMemoryCheckpointManager:
         self.config = config if config is not None else InMemoryCkptConfig()
         self._closed = False
         self._group: Optional[dist.ProcessGroup] = None
+        self._group_aborted = False
         self._previous_handlers: Dict[int, Any] = {}
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
@@ -311,21 +312,44 @@ class InMemoryCheckpointManager:
 
     def _replicate(self, source: HostSlot) -> None:
         try:
-            slot, header = self._replicator.exchange(source, self._peer.begin_write)
-            if header["step"] != source.step:
-                raise RuntimeError(f"GEMINI replication: rank {header['owner_rank']} sent step "
-                                   f"{header['step']} while this rank captured {source.step}")
-            problem = self._bytes_problem(header["extra"], slot.buffer[: slot.layout.total_bytes],
-                                          header["step"])
-            if problem is not None:
-                raise IntegrityError(f"GEMINI replication: refused rank {header['owner_rank']}'s replica of "
-                                     f"step {header['step']}: {problem}")
-            self._peer.publish(slot, header["step"], header["structure"], header["owner_rank"],
-                               header["extra"])
-            if self._flush_due(source.step):
-                self._submit_flush(source, slot)
+            self._exchange_replica(source)
+        except BaseException:
+            self._abort_group_after_failure(source.step)
+            raise
         finally:
             self._own.release(source)
+
+    def _abort_group_after_failure(self, step: int) -> None:
+        """A failed exchange leaves this rank's pairs out of step, and the ranks chained to it
+        (the one we send to, the one we hold) waiting on messages that will never come. Aborting
+        GEMINI's group closes its links, so their waits fail at once instead of after timeout_s
+        and every survivor reaches its own error (and exits) in seconds. The training thread
+        raises the failure at the next maybe_wait(); nothing uses the group after it."""
+        if self._group is None or self._group_aborted:
+            return
+        self._group_aborted = True
+        try:
+            self._group.abort()
+        except RuntimeError as exc:
+            logger.debug("GEMINI: aborting the group after the failed replication of step %d: %s", step, exc)
+
+    def _exchange_replica(self, source: HostSlot) -> None:
+        if self._group_aborted:
+            raise RuntimeError(f"GEMINI replication of step {source.step} skipped: GEMINI's group was "
+                               "closed after an earlier replication failed; restart the job")
+        slot, header = self._replicator.exchange(source, self._peer.begin_write)
+        if header["step"] != source.step:
+            raise RuntimeError(f"GEMINI replication: rank {header['owner_rank']} sent step "
+                               f"{header['step']} while this rank captured {source.step}")
+        problem = self._bytes_problem(header["extra"], slot.buffer[: slot.layout.total_bytes],
+                                      header["step"])
+        if problem is not None:
+            raise IntegrityError(f"GEMINI replication: refused rank {header['owner_rank']}'s replica of "
+                                 f"step {header['step']}: {problem}")
+        self._peer.publish(slot, header["step"], header["structure"], header["owner_rank"],
+                           header["extra"])
+        if self._flush_due(source.step):
+            self._submit_flush(source, slot)
 
     # ------------------------------------------------------------------ flush
 
