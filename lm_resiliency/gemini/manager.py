@@ -321,17 +321,23 @@ class InMemoryCheckpointManager:
 
     def _abort_group_after_failure(self, step: int) -> None:
         """A failed exchange leaves this rank's pairs out of step, and the ranks chained to it
-        (the one we send to, the one we hold) waiting on messages that will never come. Aborting
+        (the one we send to, the one we hold) waiting on messages that will never come. Closing
         GEMINI's group closes its links, so their waits fail at once instead of after timeout_s
-        and every survivor reaches its own error (and exits) in seconds. The training thread
-        raises the failure at the next maybe_wait(); nothing uses the group after it."""
+        and every survivor reaches its own error (and exits) in seconds. gloo closes the links
+        only when the group object is freed (abort() does not), hence every reference is dropped.
+        The training thread raises the failure at the next maybe_wait(); nothing uses the group
+        after it."""
         if self._group is None or self._group_aborted:
             return
         self._group_aborted = True
+        group, self._group = self._group, None
+        if self._replicator is not None:
+            self._replicator.group = None
         try:
-            self._group.abort()
-        except RuntimeError as exc:
-            logger.debug("GEMINI: aborting the group after the failed replication of step %d: %s", step, exc)
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError) as exc:
+            logger.debug("GEMINI: closing the group after the failed replication of step %d: %s", step, exc)
+        del group
 
     def _exchange_replica(self, source: HostSlot) -> None:
         if self._group_aborted:
@@ -798,6 +804,10 @@ class InMemoryCheckpointManager:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("InMemoryCheckpointManager is closed")
+        if self._group_aborted:
+            raise RuntimeError("InMemoryCheckpointManager: GEMINI's group was closed after a replication "
+                               "exchange failed (the error was raised at maybe_wait()); restart the job "
+                               "to recover")
 
     def _raise_background_error(self) -> None:
         for worker in self._workers:

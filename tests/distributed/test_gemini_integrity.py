@@ -124,3 +124,45 @@ def test_replica_corrupted_in_transit_is_refused_by_the_receiver(tmp_path):
     assert error.startswith("IntegrityError: GEMINI replication: refused rank 0's replica of step 4")
     assert "CRC-32 mismatch in chunk 0" in error
     assert held == [(0, 2)]  # never published: the previous replica stays the newest
+
+
+def _bad_header_then_save(rank, world, tmp):
+    from lm_resiliency.gemini import replication
+
+    manager, _, _, _ = train(rank, 2, _config(tmp, timeout_s=300), save_every=2)
+    manager._drain()
+    if rank == 0:  # rank 0 announces one chunk too few: rank 1 refuses the header, posts no chunk
+        original = replication.chunk_tails
+        replication.chunk_tails = lambda payload, size: original(payload, size)[:-2]
+    manager.save({"w": torch.full((64 * 1024,), float(rank))}, 4)
+    try:
+        manager._drain()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        error = f"{type(exc).__name__}: {exc}"
+    released = os.path.join(tmp, f"released{rank}")
+    if rank == 1:
+        # Like a survivor whose training thread is stuck elsewhere: the group is not closed yet.
+        others = [os.path.join(tmp, f"released{r}") for r in (0, 2)]
+        deadline = time.monotonic() + 60
+        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        released_before_close = all(map(os.path.exists, others))
+    else:
+        open(released, "w").close()
+        released_before_close = None
+    manager.close()
+    return error, released_before_close
+
+
+def test_a_failed_exchange_releases_the_ranks_chained_to_it(tmp_path):
+    """Rank 1 refuses rank 0's header and never posts its chunks. Rank 2 waits for those chunks
+    and rank 0 sends to rank 1: before GEMINI aborted its group on a failed exchange, both
+    waited until rank 1 closed the group or timeout_s (300 s) passed, which kept survivors of a
+    SIGKILLed peer alive for minutes. Now both get their error while rank 1 still holds it."""
+    results = run_ranks(_bad_header_then_save, 3, str(tmp_path), timeout=120)
+    errors = [error for error, _ in results]
+    assert "rank 0 announced" in errors[1] and "not one final byte per 4096-byte chunk" in errors[1], errors
+    assert "sending to rank 0 and receiving from rank 1" in errors[2], errors
+    assert errors[0] is not None and "sending to rank 1 and receiving from rank 2" in errors[0], errors
+    assert results[1][1] is True, "ranks 0 and 2 stayed blocked until rank 1 closed its group"
