@@ -17,9 +17,8 @@ import stat
 import time
 from typing import Any, List, Optional
 
-from lm_resiliency._values import is_int
 from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
-from lm_resiliency.trust.decision import MANIFEST_STATES, RECOVERY_VERIFIED, is_step
+from lm_resiliency.trust.decision import MANIFEST_STATES, RECOVERY_VERIFIED, check_record, is_step
 from lm_resiliency.trust.errors import CertificationError, ManifestRejected
 
 logger = logging.getLogger(__name__)
@@ -148,11 +147,7 @@ class ManifestStore:
         def bad(reason: str) -> ManifestRejected:
             return ManifestRejected(f"{path}: {reason}; refusing to trust it")
 
-        if not isinstance(doc, dict) or set(doc) != _MANIFEST_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise bad(f"manifest keys {got} are not exactly {sorted(_MANIFEST_KEYS)}")
-        if not is_int(doc["schema_version"]) or doc["schema_version"] != MANIFEST_SCHEMA_VERSION:
-            raise bad(f"manifest schema_version {doc['schema_version']!r} is not {MANIFEST_SCHEMA_VERSION}")
+        check_record(doc, _MANIFEST_KEYS, MANIFEST_SCHEMA_VERSION, bad, "manifest ")
         if not isinstance(doc["checkpoint_id"], str) or not doc["checkpoint_id"]:
             raise bad(f"checkpoint_id {doc['checkpoint_id']!r} is not a non-empty string")
         if not is_step(doc["step"]):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from lm_resiliency._values import is_int
-from lm_resiliency.trust.decision import CANDIDATE, RECOVERY_VERIFIED, BoundaryDecision, is_step
+from lm_resiliency.trust.decision import CANDIDATE, RECOVERY_VERIFIED, BoundaryDecision, check_record, is_step
 from lm_resiliency.trust.errors import CertificationError
 from lm_resiliency.trust.verdicts import ACCEPTED, CAPTURED_UNCERTIFIED, VERDICTS, worst
 
@@ -86,11 +86,7 @@ def parse_trust(trust: Any) -> Dict[str, Any]:
     def bad(reason: str) -> CertificationError:
         return CertificationError(f"persisted certification trust is invalid: {reason}; refusing to use it")
 
-    if not isinstance(trust, dict) or set(trust) != _TRUST_KEYS:
-        got = sorted(trust) if isinstance(trust, dict) else type(trust).__name__
-        raise bad(f"keys {got} are not exactly {sorted(_TRUST_KEYS)}")
-    if not is_int(trust["schema_version"]) or trust["schema_version"] != TRUST_SCHEMA_VERSION:
-        raise bad(f"schema_version {trust['schema_version']!r} is not {TRUST_SCHEMA_VERSION}")
+    check_record(trust, _TRUST_KEYS, TRUST_SCHEMA_VERSION, bad)
     if not is_int(trust["catalog_size"]) or trust["catalog_size"] < 1:
         raise bad(f"catalog_size {trust['catalog_size']!r} is not a positive integer")
     for name in ("candidate_step", "recovery_verified_step", "sdc_detected_step", "last_boundary_step"):
