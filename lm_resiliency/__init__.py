@@ -44,7 +44,7 @@ from lm_resiliency.faults import (
 from lm_resiliency.gemini.chunking import estimate_chunk_size
 from lm_resiliency.manager_api.hooks import OrchestrationHooks
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback, RecoveryMode
-from lm_resiliency.scout.certification import CallbackDurableCheckpointAdapter, DurableCheckpointConfig
+from lm_resiliency.trust import CallbackDurableCheckpointAdapter, DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.session import ResiliencyHandle, ResiliencySession

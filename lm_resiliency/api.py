@@ -9,7 +9,7 @@ from lm_resiliency.adapter import FrameworkAdapter
 from lm_resiliency.attach import AttachOptions, attach
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.recovery import RecoveryMode
-from lm_resiliency.scout.certification import DurableCheckpointConfig
+from lm_resiliency.trust import DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
 from lm_resiliency.session import ResiliencySession

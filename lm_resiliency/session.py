@@ -33,15 +33,13 @@ from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
-from lm_resiliency.scout.certification import CertificationLedger, DurableCheckpointConfig, verdict_of
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.scout.sweep import SweepReport
-
-# Worst first: the verdict a capture boundary sees is the worst since the previous boundary.
-_VERDICT_SEVERITY = ("sdc", "inconclusive", "incomplete", "error", "straggler", "clean")
+from lm_resiliency.trust import CertificationLedger, DurableCheckpointConfig, verdict_of, worst
+from lm_resiliency.trust.handoff import recovery_decision
 
 logger = logging.getLogger(__name__)
 
@@ -357,10 +355,11 @@ class ResiliencySession:
 
     def _note_replay_result(self, result: ReplayResult) -> None:
         self.last_replay_result = result
+        # The verdict a capture boundary sees is the worst since the previous boundary
+        # ("incomplete" until the first result).
         verdict = verdict_of(result)
-        if self._boundary_verdict == "incomplete" or \
-                _VERDICT_SEVERITY.index(verdict) < _VERDICT_SEVERITY.index(self._boundary_verdict):
-            self._boundary_verdict = verdict
+        self._boundary_verdict = (verdict if self._boundary_verdict == "incomplete"
+                                  else worst(verdict, self._boundary_verdict))
         if result.healthy:
             return
         if self._fault_callback is not None:
@@ -544,10 +543,8 @@ class ResiliencySession:
         if sweep is not None:
             reason = f"{reason} ({sweep.reason})"
         step, source = self._local_checkpoint(mode)
-        decision = RecoveryDecision(
-            failure=str(failure), mode=mode.value, source=source, step=step, durable_checkpoint_id=None,
-            topology=self.manager.topology if self.manager else None, available=step is not None,
-            reason=reason, ranks=(dist.get_rank(),) if dist.is_initialized() else (0,))
+        decision = recovery_decision(failure, mode, reason, step=step, source=source,
+                                     topology=self.manager.topology if self.manager else None)
         self.last_recovery_decision = decision
         return decision
 

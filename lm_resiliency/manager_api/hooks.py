@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from lm_resiliency.config import ConfigError
-from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback, RecoveryMode, select_mode
+from lm_resiliency.recovery import RecoveryDecisionCallback, RecoveryMode, select_mode
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
+from lm_resiliency.trust.handoff import recovery_decision
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,6 @@ class OrchestrationHooks:
             if value is not None and not callable(value):
                 raise ConfigError(f"OrchestrationHooks.{name}: must be a callable or None, got "
                                   f"{type(value).__name__} {value!r}")
-
-
-def _reporting_rank() -> Tuple[int, ...]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return (dist.get_rank(),)
-    except Exception:  # noqa: BLE001 - a broken process group must not block fault reporting
-        logger.debug("could not read the global rank for a recovery decision", exc_info=True)
-    return (0,)
 
 
 def _classify(result: ReplayResult) -> Tuple[str, RecoveryMode, str]:
@@ -139,10 +129,8 @@ def dispatch_replay_faults(result: ReplayResult, hooks: OrchestrationHooks, *, t
         return reports
     failure, mode, reason = _classify(result)
     step, source, checkpoint_id, problem = _lookup(step_source, mode)
-    decision = RecoveryDecision(
-        failure=failure, mode=mode.value, source=source, step=step, durable_checkpoint_id=checkpoint_id,
-        topology=topology, available=step is not None,
-        reason=reason if not problem else f"{reason}; {problem}", ranks=_reporting_rank())
+    decision = recovery_decision(failure, mode, reason, step=step, source=source, checkpoint_id=checkpoint_id,
+                                 topology=topology, problem=problem)
     if hooks.report_recovery is not None:
         hooks.report_recovery(decision)
     if hooks.report_fault is not None:

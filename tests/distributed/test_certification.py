@@ -20,7 +20,7 @@ def _ledger(rank, root, log_path=None):
     import torch.distributed as dist
 
     from lm_resiliency.gemini.storage import NodeLocalStore
-    from lm_resiliency.scout.certification import (
+    from lm_resiliency.trust import (
         CallbackDurableCheckpointAdapter, CertificationLedger, DurableCheckpointConfig)
 
     def record(*call):

@@ -9,7 +9,7 @@ import pytest
 from lm_resiliency.config import ConfigError
 from lm_resiliency.gemini.storage import NodeLocalStore
 from lm_resiliency.recovery import RecoveryDecision, RecoveryMode
-from lm_resiliency.scout.certification import (
+from lm_resiliency.trust import (
     CANDIDATE, LATEST_VERIFIED_FILE, QUARANTINED, RECOVERY_VERIFIED, CallbackDurableCheckpointAdapter,
     CertificationError, CertificationLedger, DurableCheckpointConfig, DurableCheckpointError, ManifestRejected,
     manifest_name, verdict_of,

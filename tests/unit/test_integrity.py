@@ -8,7 +8,7 @@ from lm_resiliency.experimental import InMemoryCheckpointManager
 from lm_resiliency.gemini.integrity import (CRC_KEY, CRC_CHUNK_BYTES, NonFiniteState, capture_checksums,
                                             checksum_problem, leaf_paths, nonfinite_indices)
 from lm_resiliency.codec import encode_state
-from lm_resiliency.scout.certification import RECOVERY_VERIFIED, CertificationError, CertificationLedger
+from lm_resiliency.trust import RECOVERY_VERIFIED, CertificationError, CertificationLedger
 
 
 def test_checksum_names_the_corrupt_chunk_and_refuses_unchecked_bytes():

@@ -1,0 +1,26 @@
+"""Errors of checkpoint certification; every message says what was wrong."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_resiliency.trust.decision import BoundaryDecision
+
+
+class CertificationError(RuntimeError):
+    """Certification state is unusable or the ranks do not agree; the message says why."""
+
+
+class ManifestRejected(CertificationError):
+    """A durable manifest is malformed, foreign (environment id), unsafe, or inconsistent."""
+
+
+class DurableCheckpointError(CertificationError):
+    """A durable adapter callback failed on rank 0. Raised on every rank after the trust change
+    that did succeed was persisted; `decision` is the boundary's decision (its capture permission
+    is still valid: it depends only on the SCOUT verdicts)."""
+
+    def __init__(self, message: str, decision: "BoundaryDecision") -> None:
+        super().__init__(message)
+        self.decision = decision
