@@ -4,9 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := .ci/constraints.txt
-# The test suite exercises the real frameworks (Lightning, Accelerate, DeepSpeed) on CPU and
-# the demo's timeline picture (matplotlib).
-EXTRAS ?= test,demo,lightning,accelerate,deepspeed,nvml
+# The test suite exercises the real frameworks (Lightning, Accelerate, DeepSpeed, Megatron Core,
+# TorchTitan) on CPU and the demo's timeline picture (matplotlib).
+EXTRAS ?= test,demo,lightning,accelerate,deepspeed,megatron,torchtitan,nvml
 comma := ,
 # DeepSpeed compiles its ops at first use; keep them in the venv so later runs reuse them.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
