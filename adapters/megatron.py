@@ -72,6 +72,16 @@ def _main_params(leaf: Any) -> List[torch.Tensor]:
     return [] if inner is None else [p for group in inner.param_groups for p in group["params"]]
 
 
+class _NoOptimizerCheck:
+    """What SCOUT sees as the optimizer when the inner optimizer steps copies of the model
+    parameters (distributed optimizer shards, fp32 main copies): its state is not keyed by the
+    replayed parameters, and under the distributed optimizer it differs across data-parallel peers,
+    so there is nothing a peer vote could compare."""
+
+    param_groups: list = []
+    state: dict = {}
+
+
 def _all_groups(ranks: List[int], timeout_s: float) -> List[List[int]]:
     """Every rank's group (given its own): the partition of the job, sorted."""
     gathered = wire.all_gather_json(sorted(int(r) for r in ranks), timeout_s=timeout_s)
@@ -116,6 +126,10 @@ class MegatronAdapter(HookFactoryAdapter):
         self.leaves = leaf_optimizers(optimizer)
         self.scheduler = opt_param_scheduler
         self._descriptor = self._read_topology(parallel_state, timeout_s)
+        model_params = {id(p) for module in self.model_chunks for p in module.parameters()}
+        # Main params that are the model parameters themselves (the fp32 optimizer) are captured
+        # once, with the model.
+        self._aliased = [[id(p) in model_params for p in _main_params(leaf)] for leaf in self.leaves]
         HookFactoryAdapter.__init__(self, hooks)
 
     # --------------------------------------------------------------- topology
@@ -169,12 +183,12 @@ class MegatronAdapter(HookFactoryAdapter):
             chunks.append({"params": {name: p.detach() for name, p in module.named_parameters()},
                            "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(module).items()}})
         optimizers = []
-        for leaf in self.leaves:
+        for leaf, aliased in zip(self.leaves, self._aliased):
             inner = leaf.optimizer
             scaler = getattr(leaf, "grad_scaler", None)
             optimizers.append({
                 "inner": torch.optim.Optimizer.state_dict(inner) if inner is not None else None,
-                "main_params": [p.detach() for p in _main_params(leaf)],
+                "main_params": [None if alias else p.detach() for p, alias in zip(_main_params(leaf), aliased)],
                 "grad_scaler": _scaler_state(scaler.state_dict()) if scaler is not None else None,
             })
         return {"model_chunks": chunks, "optimizers": optimizers}
@@ -193,8 +207,11 @@ class MegatronAdapter(HookFactoryAdapter):
                              "layout changed? GEMINI restores the same layout only)")
         for module, saved in zip(self.model_chunks, state["model_chunks"]):
             _check_chunk(module, saved)  # everything checked before anything changes
-        for leaf, saved in zip(self.leaves, state["optimizers"]):
-            _check_tensors("main parameters", _main_params(leaf), saved.get("main_params"))
+        for leaf, aliased, saved in zip(self.leaves, self._aliased, state["optimizers"]):
+            main = saved.get("main_params")
+            _check_tensors("main parameters", dict(enumerate(None if alias else p for p, alias in
+                                                             zip(_main_params(leaf), aliased))),
+                           dict(enumerate(main)) if isinstance(main, list) else None)
             if (saved.get("grad_scaler") is None) != (getattr(leaf, "grad_scaler", None) is None):
                 raise ValueError("recovered Megatron optimizer state and this optimizer disagree on a grad scaler "
                                  "(fp16 loss scaling); resume with the same precision settings")
@@ -206,7 +223,8 @@ class MegatronAdapter(HookFactoryAdapter):
                     b.copy_(saved["buffers"][name])
             for leaf, saved in zip(self.leaves, state["optimizers"]):
                 for target, value in zip(_main_params(leaf), saved["main_params"]):
-                    target.copy_(value)
+                    if value is not None:
+                        target.copy_(value)
         for leaf, saved in zip(self.leaves, state["optimizers"]):
             if saved["inner"] is not None:
                 torch.optim.Optimizer.load_state_dict(leaf.optimizer, saved["inner"])
@@ -227,7 +245,12 @@ class MegatronAdapter(HookFactoryAdapter):
     # ------------------------------------------------------------------ hooks
 
     def replay_targets(self) -> tuple:
-        return self.model_chunks[0], self.leaves[0].optimizer
+        # SCOUT's optimizer check shadows a step of the replayed parameters' own optimizer state:
+        # only the fp32 optimizer (no distributed optimizer) steps the model parameters themselves.
+        first = self.leaves[0]
+        if first.optimizer is not None and self._aliased[0] and all(self._aliased[0]):
+            return self.model_chunks[0], first.optimizer
+        return self.model_chunks[0], _NoOptimizerCheck()
 
 
 def _scaler_state(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -235,27 +258,27 @@ def _scaler_state(state: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def _check_tensors(what: str, live: List[torch.Tensor], saved: Optional[List[Any]]) -> None:
-    if not isinstance(saved, list) or len(saved) != len(live):
-        raise ValueError(f"recovered Megatron {what} ({len(saved) if isinstance(saved, list) else 'none'}) do not "
-                         f"match this optimizer's {len(live)}")
-    for index, (target, value) in enumerate(zip(live, saved)):
+def _check_tensors(what: str, live: Dict[Any, Optional[torch.Tensor]], saved: Any) -> None:
+    """The same names, each with the same shape and dtype; a None (a main parameter that is a
+    model parameter, captured once with the model) must be None on both sides."""
+    if not isinstance(saved, dict) or set(saved) != set(live):
+        got = set(saved) if isinstance(saved, dict) else set()
+        raise ValueError(f"recovered Megatron {what} do not match this job's: missing "
+                         f"{sorted(set(live) - got, key=str)[:8]}, unexpected {sorted(got - set(live), key=str)[:8]}")
+    for name, target in live.items():
+        value = saved[name]
+        if target is None or value is None:
+            if (target is None) != (value is None):
+                raise ValueError(f"recovered Megatron {what} {name!r}: captured and live optimizer disagree on "
+                                 "whether it is a model parameter (was the optimizer type or precision changed?)")
+            continue
         if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
-            raise ValueError(f"recovered Megatron {what}[{index}] has shape {tuple(value.shape)} {value.dtype}, this "
-                             f"rank's has {tuple(target.shape)} {target.dtype} (was the parallel layout changed?)")
+            raise ValueError(f"recovered Megatron {what} {name!r} has shape {tuple(value.shape)} {value.dtype}, this "
+                             f"rank's has {tuple(target.shape)} {target.dtype} (was the parallel layout or precision "
+                             "changed? GEMINI restores the same layout only)")
 
 
-def _check_chunk(module: nn.Module, saved: Dict[str, Any]) -> None:
-    live = {"params": dict(module.named_parameters()), "buffers": _persistent_buffers(module)}
-    for kind, tensors in live.items():
-        got = saved.get(kind) if isinstance(saved, dict) else None
-        names = set(got) if isinstance(got, dict) else set()
-        if names != set(tensors):
-            raise ValueError(f"recovered model {kind} do not match the model chunk: missing "
-                             f"{sorted(set(tensors) - names)[:8]}, unexpected {sorted(names - set(tensors))[:8]}")
-        for name, target in tensors.items():
-            value = got[name]
-            if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
-                raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live model has "
-                                 f"{tuple(target.shape)} {target.dtype} on this rank (was the parallel layout "
-                                 "changed? GEMINI restores the same layout only)")
+def _check_chunk(module: nn.Module, saved: Any) -> None:
+    live = {"parameters": dict(module.named_parameters()), "buffers": _persistent_buffers(module)}
+    for kind, key in (("parameters", "params"), ("buffers", "buffers")):
+        _check_tensors(f"model chunk {kind}", live[kind], saved.get(key) if isinstance(saved, dict) else None)
