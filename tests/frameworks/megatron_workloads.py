@@ -88,10 +88,12 @@ def final_state(chunks, optimizer, scheduler) -> dict:
     }
 
 
-def kill_resume(rank, world, folder, tp, distributed_optimizer, steps, kill_after=None, nccl_store=None):
+def kill_resume(rank, world, folder, tp, distributed_optimizer, steps, kill_after=None, nccl_store=None,
+                iteration=0):
     """Train to `steps` with lm-resiliency (interval 2); at `kill_after` flush, then SIGKILL rank 1
     (rank 0 alone; the others stop without closing). Returns (resumed step, final state, samples).
-    With `nccl_store` (a fresh file path) it runs on CUDA over NCCL, in bf16, without the fixture."""
+    With `nccl_store` (a fresh file path) it runs on CUDA over NCCL, in bf16, without the fixture.
+    `iteration`: what Megatron's own checkpoint would have loaded (enable_resiliency(iteration=...))."""
     cuda = nccl_store is not None
     if cuda:
         dist.init_process_group("nccl", init_method=f"file://{nccl_store}", rank=rank, world_size=world)
@@ -101,7 +103,7 @@ def kill_resume(rank, world, folder, tp, distributed_optimizer, steps, kill_afte
     chunks, optimizer, scheduler = setup(tp, distributed_optimizer, cuda=cuda)
     counter = {"samples": 0}
     resiliency = enable_resiliency(
-        chunks, optimizer, opt_param_scheduler=scheduler, interval=2, enable_detection=False,
+        chunks, optimizer, opt_param_scheduler=scheduler, interval=2, enable_detection=False, iteration=iteration,
         checkpoint=InMemoryCkptConfig(run_id="megatron-test", disk_folder=folder, disk_flush_interval=2,
                                       shared_memory_dir=os.path.join(folder, "shm"), timeout_s=60),
         extra_state_fn=lambda: {"samples": counter["samples"]},
@@ -125,15 +127,16 @@ def kill_resume(rank, world, folder, tp, distributed_optimizer, steps, kill_afte
 
 def topology(rank, world, tp):
     """The adapter's topology after initialize_model_parallel(tp), and SCOUT's replay checks over
-    two training iterations (interval 2: every check class runs at iteration 2)."""
+    iterations 5 and 6 (interval 2: every check class runs at iteration 6)."""
     from lm_resiliency import enable_resiliency
     from lm_resiliency.scout.peers import peer_groups_from_topology
 
     chunks, optimizer, scheduler = setup(tp, distributed_optimizer=True)
     faults = []
-    resiliency = enable_resiliency(chunks, optimizer, opt_param_scheduler=scheduler, interval=2,
+    # As if Megatron had loaded its own checkpoint of iteration 4: with no GEMINI state, count on from it.
+    resiliency = enable_resiliency(chunks, optimizer, opt_param_scheduler=scheduler, interval=2, iteration=4,
                                    enable_checkpoint=False, fault_callback=faults.append)
-    for iteration in range(2):
+    for iteration in range(4, 6):
         train_step(chunks, optimizer, scheduler, iteration)
     descriptor = resiliency.adapter.topology().descriptor
     groups = peer_groups_from_topology(descriptor, world)

@@ -4,6 +4,7 @@ replaced by CPU equivalents; the adapter and surface under test are not patched)
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -59,7 +60,7 @@ def test_tp2_dp2_topology_and_dense_peer_groups():
         assert descriptor["coordinate"] == {"tp": rank % 2, "pp": 0, "cp": 0, "dp": rank // 2, "ep": 0,
                                             "expert_tp": rank % 2, "expert_dp": rank // 2}
         assert descriptor["distributed_optimizer"] is True
-        assert step_count == 2
+        assert step_count == 6  # iteration=4 (Megatron's own checkpoint), then two steps
         assert described == "megatron/tp2-pp1-vpp1-cp1-dp2-ep1"
         # SCOUT replayed among exactly those peers, and two healthy peers agree.
         assert checks and all(group == tuple(groups[rank % 2]) for _, _, group in checks), checks
@@ -102,6 +103,13 @@ def test_sigkill_one_rank_resumes_bitwise(tmp_path, distributed_optimizer):
         assert resumed[rank][0] == 4 and baseline[rank][0] == 0
         assert resumed[rank][2] == baseline[rank][2] == 14
         _assert_same(resumed[rank][1], baseline[rank][1], f"rank {rank}")
+    if distributed_optimizer:
+        # A Megatron checkpoint of iteration 8 was loaded, and GEMINI's newest is step 6: refused.
+        refused = run_ranks(kill_resume, 3, folder, 1, True, 9, None, None, 8, timeout=600, check=False)
+        for outcome in refused:
+            assert re.search(r"RuntimeError: lm-resiliency: GEMINI's newest state is step 6, older than the "
+                             r"Megatron checkpoint setup_model_and_optimizer\(\) loaded \(iteration 8\)",
+                             outcome.error or ""), outcome.error
 
 
 @pytest.mark.gpu
