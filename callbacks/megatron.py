@@ -78,8 +78,10 @@ class MegatronStepHooks:
             del optimizer.step
 
 
-def build_adapter(model_chunks: Any, optimizer: Any, options: Optional[dict] = None) -> MegatronAdapter:
-    """The Megatron adapter with these hooks (collective: it gathers the data-parallel groups)."""
+def build_adapter(model_chunks: Any, optimizer: Any, options: Optional[dict] = None,
+                  timeout_s: float = 300.0) -> MegatronAdapter:
+    """The Megatron adapter with these hooks (collective: it gathers the data-parallel groups,
+    waiting at most `timeout_s`)."""
     options = dict(options or {})
     unsupported = sorted(set(options) - SUPPORTED_OPTIONS)
     if unsupported:
@@ -89,7 +91,7 @@ def build_adapter(model_chunks: Any, optimizer: Any, options: Optional[dict] = N
         raise TypeError("enable_resiliency: the megatron adapter needs the MegatronOptimizer as the second argument "
                         "(enable_resiliency(model_chunks, optimizer, opt_param_scheduler=scheduler))")
     options.pop("iteration", None)
-    return MegatronAdapter(model_chunks, optimizer, hooks=MegatronStepHooks, **options)
+    return MegatronAdapter(model_chunks, optimizer, hooks=MegatronStepHooks, timeout_s=timeout_s, **options)
 
 
 def attach_model(model_chunks: Any, options: AttachOptions, optimizer: Any = None,
@@ -99,7 +101,7 @@ def attach_model(model_chunks: Any, options: AttachOptions, optimizer: Any = Non
     iteration = (framework_options or {}).get("iteration", 0)
     if not is_int(iteration) or iteration < 0:
         raise TypeError(f"enable_resiliency(iteration=...): expected args.iteration (an int >= 0), got {iteration!r}")
-    adapter = build_adapter(model_chunks, optimizer, framework_options)
+    adapter = build_adapter(model_chunks, optimizer, framework_options, options.config.timeout_s)
 
     def recover(session: ResiliencySession) -> None:
         step = session.recover()
