@@ -22,11 +22,6 @@ class FrameworkName(str, enum.Enum):
     DEEPSPEED = "deepspeed"
 
 
-_NOT_YET = {
-    FrameworkName.MEGATRON: "Megatron Core model chunks",
-}
-
-
 def infer_framework(obj: Any) -> FrameworkName:
     """Which framework `obj` belongs to; raises TypeError naming what was expected."""
     import torch
@@ -85,13 +80,14 @@ def attach_framework(framework: FrameworkName, obj: Any, optimizer: Any, options
                      framework_options: Dict[str, Any]) -> ResiliencySession:
     """`enable_resiliency` once its arguments are one `AttachOptions`: dispatch to the framework's
     surface, or build its adapter and attach."""
-    if framework in _NOT_YET:
-        raise TypeError(f"enable_resiliency: {_NOT_YET[framework]} was given, but the {framework.value} "
-                        "adapter is not available in this release; use the PyTorch objects it wraps")
     if framework is FrameworkName.DEEPSPEED:
         from lm_resiliency.callbacks.deepspeed import attach_engine
 
         return attach_engine(obj, options, optimizer, framework_options)
+    if framework is FrameworkName.MEGATRON:
+        from lm_resiliency.callbacks.megatron import attach_model
+
+        return attach_model(obj, options, optimizer, framework_options)
     if framework is FrameworkName.TORCHTITAN:
         from lm_resiliency.callbacks.torchtitan import attach_trainer
 

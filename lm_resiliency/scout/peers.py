@@ -135,6 +135,18 @@ class UnknownLayoutError(ValueError):
     """The parallel layout does not say which ranks compute the same thing; SCOUT will not guess."""
 
 
+def _explicit_groups(groups: object, world_size: int) -> List[List[int]]:
+    """A descriptor's own `peer_groups` (an adapter that reads them from its framework, e.g.
+    Megatron's data-parallel groups): used as given once they partition the job's ranks."""
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, (list, tuple)) and g and all(_positive_int(r) or r == 0 for r in g) for g in groups):
+        raise UnknownLayoutError(f"the topology's peer_groups {groups!r} is not a list of non-empty rank lists")
+    if sorted(r for g in groups for r in g) != list(range(world_size)):
+        raise UnknownLayoutError(f"the topology's peer_groups {list(map(list, groups))} do not partition the "
+                                 f"{world_size} ranks of the job")
+    return sorted(sorted(int(r) for r in g) for g in groups)
+
+
 def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
                               mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequence[int]]] = None
                               ) -> List[List[int]]:
@@ -143,10 +155,13 @@ def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
 
     Peers share every model-parallel (TP) coordinate and vary along every data-parallel one
     (`dp_replicate` and `dp_shard`: FSDP shard peers replay the unsharded module). An unnamed
-    mesh is read the way the PyTorch adapter reads it: 1-D is FSDP, 2-D is HSDP. Raises
+    mesh is read the way the PyTorch adapter reads it: 1-D is FSDP, 2-D is HSDP. A descriptor
+    that carries its own `peer_groups` (the Megatron adapter's) is taken as given. Raises
     `UnknownLayoutError` for anything else rather than returning groups that could be wrong."""
     if not _positive_int(world_size):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if descriptor.get("peer_groups") is not None:
+        return _explicit_groups(descriptor["peer_groups"], world_size)
     if mesh is None:
         tp = descriptor.get("tp", descriptor.get("mp_world_size", 1))  # mp_world_size: DeepSpeed's
         if tp not in (None, 1):
