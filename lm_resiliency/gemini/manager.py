@@ -466,7 +466,7 @@ class InMemoryCheckpointManager:
         """Collective: the newest step every rank can load (own memory, peer replica, node-local
         disk), or None. With `step`, only that exact step is considered; with `allowed_steps`
         (e.g. RECOVERY_VERIFIED steps), only those."""
-        self._check_usable()
+        self._check_group()
         if not self.config.enable:
             return None
         self._drain()
@@ -537,7 +537,7 @@ class InMemoryCheckpointManager:
 
         Recovering (lineage L, step s) starts a new timeline whose parent is (L, s): every slot
         and node-local shard after s (abandoned) is dropped on every rank before any returns."""
-        self._check_usable()
+        self._check_group()
         plan = self._plan
         if plan is None:
             return None
@@ -804,6 +804,10 @@ class InMemoryCheckpointManager:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("InMemoryCheckpointManager is closed")
+
+    def _check_group(self) -> None:
+        """Recovery is collective over GEMINI's group: refuse clearly once it was closed."""
+        self._check_usable()
         if self._group_aborted:
             raise RuntimeError("InMemoryCheckpointManager: GEMINI's group was closed after a replication "
                                "exchange failed (the error was raised at maybe_wait()); restart the job "
