@@ -60,8 +60,17 @@ def _group_ranks(group: Any) -> Tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def _arguments(bound: inspect.BoundArguments) -> Dict[str, Any]:
+    """Named arguments, those a wrapper's `**kwargs` collected included."""
+    args = dict(bound.arguments)
+    for parameter in bound.signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            args.update(args.pop(parameter.name, {}))
+    return args
+
+
 def _single_call(bound: inspect.BoundArguments) -> Optional[Tuple[Any, Tuple[int, ...], torch.Tensor]]:
-    args = bound.arguments
+    args = _arguments(bound)
     tensor, group = args.get("input"), args.get("group")
     if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
         return None
@@ -72,7 +81,7 @@ def _single_call(bound: inspect.BoundArguments) -> Optional[Tuple[Any, Tuple[int
 
 
 def _list_call(bound: inspect.BoundArguments) -> Optional[Tuple[Any, Tuple[int, ...], torch.Tensor]]:
-    args = bound.arguments
+    args = _arguments(bound)
     tensors, group = args.get("input_tensor_list"), args.get("group")
     if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
         return None
@@ -170,7 +179,7 @@ class AllToAllReplayer:
         for ranks in sorted(plans):
             if self.rank in ranks:
                 capture, matrices, error = plans[ranks]
-                results.append(self._replay(step, capture, matrices, objects[ranks], error))
+                results.append(self._replay(step, ranks, capture, matrices, objects.get(ranks), error))
         gathered = wire.all_gather_json({"rank": self.rank, "groups": results}, group=self.exchange_group,
                                         timeout_s=self.timeout_s)
         return self._decide(step, plans, gathered)
@@ -213,12 +222,12 @@ class AllToAllReplayer:
             plans[ranks] = (capture, matrices, "")
         return plans
 
-    def _replay(self, step: int, capture: Optional[AllToAllCapture], matrices: List[AllToAllTrafficMatrix],
-                call: _Call, error: str) -> dict:
-        doc: Dict[str, Any] = {"ranks": list(call.ranks), "matrices": [], "error": error}
-        if error:
+    def _replay(self, step: int, ranks: Tuple[int, ...], capture: Optional[AllToAllCapture],
+                matrices: List[AllToAllTrafficMatrix], call: Optional[_Call], error: str) -> dict:
+        doc: Dict[str, Any] = {"ranks": list(ranks), "matrices": [], "error": error}
+        if error or capture is None or call is None:
+            doc["error"] = error or f"rank {self.rank} recorded no call on this group"
             return doc
-        assert capture is not None
         me = capture.group_ranks.index(self.rank)
         row_bytes = capture.row_bytes
         for matrix in matrices:
@@ -249,6 +258,9 @@ class AllToAllReplayer:
         out = torch.empty((sum(received), *capture.row_shape), dtype=capture.dtype, device=device)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
+        # Members start together, so a group's time is its own exchange, not a wait for a member
+        # still busy in an earlier group (which would make every later group look slow).
+        dist.barrier(group=call.group)
         begin = time.perf_counter()
         if capture.op == "all_to_all_single":
             dist.all_to_all_single(out, inp, output_split_sizes=list(received),

@@ -221,11 +221,11 @@ def expert_fault(rank: int, world: int, ep: int, fault_rank: int) -> list:
 
 def all_to_all_fault(rank: int, world: int, kind: str, fault_rank: int) -> list:
     change = {"reorder": _reorder, "drop": _drop_first_row}[kind]
-    return train(rank, world, 2, 2, dict(CONFIG, all_to_all_policy=BalancedAndPermutationPolicy(4096)),
+    return train(rank, world, 2, 4, dict(CONFIG, all_to_all_policy=BalancedAndPermutationPolicy(4096)), catalog=CATALOG,
                  fault=_wrap_all_to_all(fault_rank, change))
 
 
 def all_to_all_delay(rank: int, world: int, fault_rank: int) -> list:
     config = dict(CONFIG, all_to_all_policy=BalancedAndPermutationPolicy(4096), straggler_confirmation_rounds=2)
-    return train(rank, world, 2, 4, config, hierarchical=True,
+    return train(rank, world, 2, 4, config, hierarchical=True, catalog=CATALOG,
                  fault=_wrap_all_to_all(fault_rank, lambda out: None, delay_s=0.15))

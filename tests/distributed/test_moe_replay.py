@@ -36,3 +36,37 @@ def test_expert_fault_three_replicas_localizes_the_rank():
             (2, [("expert", "moe.experts[n_exec=2]", "sdc", [3], [1, 3, 5])], []),
             (4, [("expert", "moe.experts[n_exec=3]", "sdc", [3], [1, 3, 5])], []),
         ]
+
+
+def _all_to_all_checks(result):
+    return [(step, [c for c in checks if c[0] == "all_to_all"]) for step, checks, _ in result]
+
+
+def test_all_to_all_reorder_on_one_rank_is_caught_and_named():
+    # Rank 1's all_to_all_single delivers its received rows reversed. Step 2 replays the first
+    # call of the step (the 1-D count exchange, which the fault leaves alone), step 4 the token
+    # dispatch: several senders' rows arrive wrong at rank 1 only, so the receiver is named.
+    results = run_ranks(W.all_to_all_fault, 4, "reorder", 1, timeout=300)
+    assert results[2] == [] and results[3] == []
+    for rank in (0, 1):
+        assert _all_to_all_checks(results[rank]) == [
+            (4, [("all_to_all", "all_to_all_single#1(group=[0, 1])", "sdc", [1], [0, 1])])]
+
+
+def test_all_to_all_drop_is_caught_by_routing_verification():
+    # One row from rank 0 never arrives intact at rank 1: one bad route, the pair is named.
+    results = run_ranks(W.all_to_all_fault, 4, "drop", 1, timeout=300)
+    assert results[2] == [] and results[3] == []
+    for rank in (0, 1):
+        assert _all_to_all_checks(results[rank]) == [
+            (4, [("all_to_all", "all_to_all_single#1(group=[0, 1])", "peer_group", [], [0, 1])])]
+
+
+def test_delayed_all_to_all_on_one_rank_is_named_by_cross_pg():
+    # 2-D dispatch: AllToAll groups [0,1], [2,3] (EP) and [0,2], [1,3] (EDP). Rank 1 starts every
+    # all_to_all_single 150 ms late: the replayed groups holding it are slow, the others fast,
+    # and their intersection names rank 1, confirmed on the second check, on every rank.
+    results = run_ranks(W.all_to_all_delay, 4, 1, timeout=300)
+    for rank in range(4):
+        found = [(step, [s for s in stragglers if s[3] == "all_to_all_replay"]) for step, _, stragglers in results[rank]]
+        assert (4, [("communication", [1], True, "all_to_all_replay")]) in found, results[rank]
