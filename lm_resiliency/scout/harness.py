@@ -168,6 +168,18 @@ class ScoutHarness:
         logger.info("SCOUT: %s replay among ranks %s: %s", workload.peer_role, ranks, workload.describe())
         return detector
 
+    @property
+    def catalog_size(self) -> int:
+        """K, the replay recipes in one certification cycle: the workload's recipes, else 1 (dense)."""
+        return self.workload_detector.cycle_length if self.workload_detector is not None else 1
+
+    def cycle_complete(self, step: int) -> bool:
+        """Whether the check at `step` ran the last recipe of a workload cycle (always, when dense)."""
+        detector = self.workload_detector
+        if detector is None:
+            return True
+        return bool(detector.checks_due(step)) and detector.recipe_index(step) == detector.cycle_length - 1
+
     def coverage(self) -> Optional[Dict[str, Any]]:
         """What one rotation of the replay checks covers (`ReplayDetector.coverage`); None when
         replay checks are off."""

@@ -22,6 +22,7 @@ from lm_resiliency import (
     FaultMagnitude,
     FaultScope,
     GroupedExpertMaterializer,
+    InMemoryCkptConfig,
     ReplayHarnessConfig,
     ReplayWorkload,
     enable_resiliency,
@@ -132,7 +133,8 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 def train(rank: int, world: int, ep: int, steps: int, config: Dict[str, Any], *,
           catalog: Optional[list] = None, hierarchical: bool = False,
-          fault: Optional[Callable[[int, TinyMoE], None]] = None, session_options: Optional[dict] = None) -> list:
+          fault: Optional[Callable[[int, TinyMoE], None]] = None, session_options: Optional[dict] = None,
+          trust: Optional[list] = None, fault_at: int = 1) -> list:
     """Train `steps` steps under enable_resiliency; returns every unhealthy ReplayResult seen on
     this rank as plain data: [(step, [(check, path, verdict, faulty, group_ranks)], [stragglers])]."""
     ddp, model, optimizer, mesh, edp_group = build(rank, world, ep, hierarchical)
@@ -143,15 +145,19 @@ def train(rank: int, world: int, ep: int, steps: int, config: Dict[str, Any], *,
             catalog, replay_modules=[model.moe.experts], materializer=GroupedExpertMaterializer(), device_mesh=mesh)
     session = enable_resiliency(ddp, optimizer, replay=ReplayHarnessConfig(**replay),
                                 fault_callback=seen.append, **(session_options or {"enable_checkpoint": False}))
-    if fault is not None:
-        fault(rank, model)
     for step in range(session.step_count, steps):
+        if fault is not None and step + 1 == fault_at:  # from optimizer step `fault_at` on
+            fault(rank, model)
         ddp(batch(rank, step)).pow(2).mean().backward()
         for p in model.moe.experts.parameters():
             dist.all_reduce(p.grad, group=edp_group)
             p.grad.div_(dist.get_world_size(edp_group))
         optimizer.step()
         optimizer.zero_grad()
+        if trust is not None:
+            doc = session.ledger.trust()
+            trust.append((session.step_count, doc["candidate_step"], doc["recovery_verified_step"],
+                          doc["sdc_pending"]))
     session.close()
     return [(r.step, [(c.check, c.module_path, c.verdict, list(c.faulty), list(c.group_ranks))
                       for c in r.checks if c.verdict != "clean"],
@@ -229,3 +235,15 @@ def all_to_all_delay(rank: int, world: int, fault_rank: int) -> list:
     config = dict(CONFIG, all_to_all_policy=BalancedAndPermutationPolicy(4096), straggler_confirmation_rounds=2)
     return train(rank, world, 2, 4, config, hierarchical=True, catalog=CATALOG,
                  fault=_wrap_all_to_all(fault_rank, lambda out: None, delay_s=0.15))
+
+
+def certification(rank: int, world: int, folder: str, fault_from: Optional[int]) -> list:
+    """8 steps, K=2 recipes, GEMINI capture and SCOUT check every 2 steps; returns the ledger's
+    (step, candidate, recovery-verified, sdc pending) after each step. `fault_from`: rank 1's
+    expert output is corrupted from that step on."""
+    trust: list = []
+    options = {"interval": 2, "checkpoint": InMemoryCkptConfig(run_id="moe-cert", disk_folder=f"{folder}/{rank}",
+                                                                 timeout_s=60)}
+    train(rank, world, 2, 8, CONFIG, catalog=CATALOG, fault=_corrupt_expert_output(1) if fault_from else None,
+          session_options=options, trust=trust, fault_at=fault_from or 1)
+    return trust

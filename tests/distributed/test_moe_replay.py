@@ -70,3 +70,22 @@ def test_delayed_all_to_all_on_one_rank_is_named_by_cross_pg():
     for rank in range(4):
         found = [(step, [s for s in stragglers if s[3] == "all_to_all_replay"]) for step, _, stragglers in results[rank]]
         assert (4, [("communication", [1], True, "all_to_all_replay")]) in found, results[rank]
+
+
+def test_dynamic_catalog_candidate_then_recovery_verified(tmp_path):
+    # K=2 recipes, one per check (steps 2, 4, 6, 8): the first complete clean cycle (step 4)
+    # becomes CANDIDATE, the next (step 8) promotes it to RECOVERY_VERIFIED and is the new candidate.
+    results = run_ranks(W.certification, 4, str(tmp_path), None, timeout=400)
+    expected = [(1, None, None, False), (2, None, None, False), (3, None, None, False), (4, 4, None, False),
+                (5, 4, None, False), (6, 4, None, False), (7, 4, None, False), (8, 8, 4, False)]
+    assert results == [expected] * 4
+
+
+def test_sdc_between_cycles_rejects_the_candidate_and_latches_verified_only(tmp_path):
+    # Rank 1's expert output is corrupted from step 5 on: the check at step 6 finds SDC on one
+    # expert pair, and every rank rejects candidate 4 and requires RECOVERY_VERIFIED recovery.
+    results = run_ranks(W.certification, 4, str(tmp_path), 5, timeout=400)
+    for trust in results:
+        assert trust[3] == (4, 4, None, False)
+        assert trust[5][1] is None and trust[5][2] is None and trust[5][3] is True
+        assert all(t[2] is None for t in trust)
