@@ -148,7 +148,7 @@ Materializer = Union[GroupedExpertMaterializer, LeadingDimensionMaterializer]
 
 def _recipe(value: Any, where: str) -> Recipe:
     if isinstance(value, Mapping):
-        keys = set(value) - {"id", "source"}
+        keys = set(value) - {"regime", "observed"}  # the discovery command's annotations
         if keys == {"n_exec"}:
             value = value["n_exec"]
         elif keys == {"counts"}:
@@ -169,6 +169,9 @@ def _recipes(catalog: Any) -> Tuple[Recipe, ...]:
         if catalog.get("schema") != CATALOG_SCHEMA:
             raise ValueError(f"catalog: schema must be {CATALOG_SCHEMA!r} (lm-resiliency-discover-moe-regimes "
                              f"output), got {catalog.get('schema')!r}")
+        if catalog.get("complete") is not True:
+            raise ValueError(f"catalog: not complete ({catalog.get('problems')}); replay only a qualified catalog "
+                             "(see lm-resiliency-discover-moe-regimes)")
         catalog = catalog.get("recipes")
     if not isinstance(catalog, (list, tuple)) or not catalog:
         raise ValueError(f"catalog: needs at least one recipe, got {catalog!r}")
