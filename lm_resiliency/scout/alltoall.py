@@ -205,10 +205,13 @@ class AllToAllReplayer:
                 plans[ranks] = (None, [], f"members recorded different layouts for call {sequence}: {sorted(layout)}")
                 continue
             splits = [c["splits"] for c in chosen]
-            observed = splits if all(len(s) == len(ranks) for s in splits) else None
-            op, row_shape, dtype = layout.pop()
-            capture = AllToAllCapture(group_ranks=ranks, op=op, row_shape=row_shape,
-                                      dtype=getattr(torch, dtype.replace("torch.", "")), sequence=sequence,
+            observed = tuple(tuple(s) for s in splits) if all(len(s) == len(ranks) for s in splits) else None
+            op, row_shape, name = layout.pop()
+            dtype = getattr(torch, str(name).replace("torch.", ""), None)
+            if not isinstance(dtype, torch.dtype):
+                plans[ranks] = (None, [], f"call {sequence} has an unknown dtype {name!r}")
+                continue
+            capture = AllToAllCapture(group_ranks=ranks, op=op, row_shape=row_shape, dtype=dtype, sequence=sequence,
                                       observed_splits=observed)
             try:
                 matrices = list(self.policy.generate(capture))
@@ -306,7 +309,8 @@ class AllToAllReplayer:
         for dst in failed:
             signatures[dst] = "failed"
         timings = {r: sum(m["time"] or 0.0 for m in members[r]["matrices"]) for r in members}
-        verdict, faulty, detail = CLEAN, (), ""
+        verdict, detail = CLEAN, ""
+        faulty: Tuple[int, ...] = ()
         if bad:
             verdict, faulty = _localize(bad)
             detail = f"routes delivered wrong bytes (sender, receiver): {bad}"

@@ -104,9 +104,10 @@ class ScoutHarness:
                     replay_group, group_ranks = created, list(ranks)
         if peer_groups is not None:
             try:
-                expert = config.workload is not None and config.workload.peer_role == "expert"
+                workload = config.workload
+                expert = workload.replay_modules if workload is not None and workload.peer_role == "expert" else ()
                 self.detector = ReplayDetector(model, optimizer, config, group=replay_group, group_ranks=group_ranks,
-                                               exclude=config.workload.replay_modules if expert else ())
+                                               exclude=expert)
             except ReplayUnsupportedError as exc:
                 logger.warning("SCOUT: replay checks disabled: %s", exc)
             else:

@@ -22,7 +22,7 @@ from lm_resiliency.scout.peers import (
     DATA_PARALLEL_DIMS,
     UnknownLayoutError,
     dense_peer_groups,
-    peer_groups_from_mesh,
+    mesh_peer_groups,
     peer_groups_from_topology,
 )
 from lm_resiliency.scout.replay import ReplayDetector, _Capture
@@ -59,11 +59,7 @@ def expert_peer_groups(mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequen
             raise UnknownLayoutError(f"expert replay needs every device mesh dimension named: expert parallel "
                                      f"{sorted(EXPERT_PARALLEL_DIMS)}, expert TP {sorted(EXPERT_TP_DIMS)} or expert "
                                      f"data parallel {sorted(EXPERT_DATA_PARALLEL_DIMS)}; got {names or shape}")
-        varying = [n for n in names if n in EXPERT_DATA_PARALLEL_DIMS]
-        if not varying:
-            return [[rank] for rank in sorted(ranks)]
-        positions = peer_groups_from_mesh(shape, names, replicate_dim=varying)
-        return sorted(sorted(ranks[p] for p in group) for group in positions)
+        return mesh_peer_groups(shape, names, ranks, [n for n in names if n in EXPERT_DATA_PARALLEL_DIMS])
     ep = descriptor.get("ep", descriptor.get("expert_parallel_size"))
     if ep is None:
         raise UnknownLayoutError("expert replay needs the expert-parallel layout: pass ReplayWorkload(device_mesh=...) "

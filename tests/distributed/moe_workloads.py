@@ -18,7 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lm_resiliency import (
     BalancedAndPermutationPolicy,
+    CallbackDurableCheckpointAdapter,
     CorruptionOperation,
+    DurableCheckpointConfig,
     FaultMagnitude,
     FaultScope,
     GroupedExpertMaterializer,
@@ -237,13 +239,30 @@ def all_to_all_delay(rank: int, world: int, fault_rank: int) -> list:
                  fault=_wrap_all_to_all(fault_rank, lambda out: None, delay_s=0.15))
 
 
-def certification(rank: int, world: int, folder: str, fault_from: Optional[int]) -> list:
-    """8 steps, K=2 recipes, GEMINI capture and SCOUT check every 2 steps; returns the ledger's
-    (step, candidate, recovery-verified, sdc pending) after each step. `fault_from`: rank 1's
-    expert output is corrupted from that step on."""
+def certification(rank: int, world: int, folder: str, fault_from: Optional[int], steps: int = 8,
+                  durable: bool = False) -> Any:
+    """`steps` steps, K=2 recipes, GEMINI capture and SCOUT check every 2 steps; returns the
+    ledger's (step, candidate, recovery-verified, sdc pending) after each step. `fault_from`:
+    rank 1's expert output is corrupted from that step on. `durable`: with a
+    CallbackDurableCheckpointAdapter, also returns the framework callbacks this rank saw."""
     trust: list = []
-    options = {"interval": 2, "checkpoint": InMemoryCkptConfig(run_id="moe-cert", disk_folder=f"{folder}/{rank}",
-                                                                 timeout_s=60)}
-    train(rank, world, 2, 8, CONFIG, catalog=CATALOG, fault=_corrupt_expert_output(1) if fault_from else None,
+    calls: list = []
+    options: Dict[str, Any] = {
+        "interval": 2, "checkpoint": InMemoryCkptConfig(run_id="moe-cert", disk_folder=f"{folder}/{rank}",
+                                                        timeout_s=60)}
+    if durable:
+        def save(step: int) -> str:
+            calls.append(["save", step])
+            return f"job-ckpt-{step}"
+        adapter = CallbackDurableCheckpointAdapter(
+            save_candidate_fn=save, load_checkpoint_fn=lambda i, s: calls.append(["load", i, s]),
+            commit_candidate_fn=lambda i, s: calls.append(["commit", i]),
+            quarantine_candidate_fn=lambda i, s, r: calls.append(["quarantine", i]))
+        options["durable_checkpoint"] = DurableCheckpointConfig(f"{folder}/manifests", "moe-env", adapter)
+    train(rank, world, 2, steps, CONFIG, catalog=CATALOG, fault=_corrupt_expert_output(1) if fault_from else None,
           session_options=options, trust=trust, fault_at=fault_from or 1)
-    return trust
+    return (trust, calls) if durable else trust
+
+
+def certification_durable(rank: int, world: int, folder: str) -> Any:
+    return certification(rank, world, folder, 9, steps=10, durable=True)

@@ -89,3 +89,19 @@ def test_sdc_between_cycles_rejects_the_candidate_and_latches_verified_only(tmp_
         assert trust[3] == (4, 4, None, False)
         assert trust[5][1] is None and trust[5][2] is None and trust[5][3] is True
         assert all(t[2] is None for t in trust)
+
+
+def test_moe_sdc_quarantines_the_durable_candidate_and_keeps_the_verified_one(tmp_path):
+    # Through the durable-checkpoint adapter: step 4 is saved as candidate, step 8 commits it
+    # (RECOVERY_VERIFIED) and saves candidate 8; the SDC found at step 10 quarantines candidate 8
+    # and the verified manifest stays at step 4.
+    import json
+
+    results = run_ranks(W.certification_durable, 4, str(tmp_path), timeout=400)
+    for rank, (trust, calls) in enumerate(results):
+        assert trust[7] == (8, 8, 4, False), rank
+        assert trust[9] == (10, None, 4, True), rank
+        assert calls == ([["save", 4], ["commit", "job-ckpt-4"], ["save", 8], ["quarantine", "job-ckpt-8"]]
+                         if rank == 0 else []), rank
+    with open(tmp_path / "manifests" / "latest_verified.json") as f:
+        assert json.load(f)["checkpoint_id"] == "job-ckpt-4"
