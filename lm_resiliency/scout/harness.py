@@ -31,6 +31,7 @@ from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
 from lm_resiliency.scout.moe_replay import WorkloadReplayDetector, workload_peer_groups
+from lm_resiliency.scout.moe_sweep import CombinedSweep, WorkloadSweep
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
 from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
@@ -142,8 +143,12 @@ class ScoutHarness:
             self._trace = trace_collectives(self.beacon)
             self._ddp_trace = install_ddp_trace(model, self.beacon)
         # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
-        self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
-            if self.detector is not None else None
+        sweeps: List[FullCatalogSweep] = []
+        if self.detector is not None:
+            sweeps.append(FullCatalogSweep(self.detector, config.full_sweep_timeout_s))
+        if self.workload_detector is not None:
+            sweeps.append(WorkloadSweep(self.workload_detector, config.full_sweep_timeout_s))
+        self.sweep: Optional[Any] = (CombinedSweep(sweeps) if len(sweeps) > 1 else sweeps[0]) if sweeps else None
 
     def _workload_detector(self, model: nn.Module, optimizer: Any, topology: Optional[Mapping[str, Any]],
                            bound: float) -> Optional[WorkloadReplayDetector]:
@@ -201,10 +206,10 @@ class ScoutHarness:
     def before_forward(self, step: int) -> None:
         self._armed = self.check_due(step)
         if self._armed:
+            if self.sweep is not None:
+                self.sweep.record(step)
             if self.detector is not None and self.detector.checks_due(step):
                 self.detector.arm(step)
-                if self.sweep is not None:
-                    self.sweep.record(step)
             if self.workload_detector is not None and self.workload_detector.checks_due(step):
                 self.workload_detector.arm(step)
             if self._all_to_all is not None:

@@ -136,7 +136,7 @@ def batch(rank: int, step: int) -> torch.Tensor:
 def train(rank: int, world: int, ep: int, steps: int, config: Dict[str, Any], *,
           catalog: Optional[list] = None, hierarchical: bool = False,
           fault: Optional[Callable[[int, TinyMoE], None]] = None, session_options: Optional[dict] = None,
-          trust: Optional[list] = None, fault_at: int = 1) -> list:
+          trust: Optional[list] = None, fault_at: int = 1, at_end: Optional[Callable[[Any], None]] = None) -> list:
     """Train `steps` steps under enable_resiliency; returns every unhealthy ReplayResult seen on
     this rank as plain data: [(step, [(check, path, verdict, faulty, group_ranks)], [stragglers])]."""
     ddp, model, optimizer, mesh, edp_group = build(rank, world, ep, hierarchical)
@@ -160,6 +160,8 @@ def train(rank: int, world: int, ep: int, steps: int, config: Dict[str, Any], *,
             doc = session.ledger.trust()
             trust.append((session.step_count, doc["candidate_step"], doc["recovery_verified_step"],
                           doc["sdc_pending"]))
+    if at_end is not None:
+        at_end(session)
     session.close()
     return [(r.step, [(c.check, c.module_path, c.verdict, list(c.faulty), list(c.group_ranks))
                       for c in r.checks if c.verdict != "clean"],
@@ -266,3 +268,20 @@ def certification(rank: int, world: int, folder: str, fault_from: Optional[int],
 
 def certification_durable(rank: int, world: int, folder: str) -> Any:
     return certification(rank, world, folder, 9, steps=10, durable=True)
+
+
+def recovery_sweep(rank: int, world: int, fault_rank: Optional[int]) -> tuple:
+    """Train 4 steps (checks at 2 and 4), then prepare_recovery("hang") on every rank: the mode
+    chosen and the workload entries the sweep voted on (check, label, verdict, faulty)."""
+    decisions: list = []
+
+    def prepare(session: Any) -> None:
+        decision = session.prepare_recovery("hang", all_ranks_accessible=True)
+        result = session.last_replay_result if "SDC" in decision.reason else None
+        decisions.append((decision.mode, decision.reason, result))
+    train(rank, world, 2, 4, CONFIG, catalog=CATALOG, at_end=prepare,
+          fault=_corrupt_expert_output(fault_rank) if fault_rank is not None else None, fault_at=4)
+    mode, reason, result = decisions[0]
+    voted = [] if result is None else [(c.check, c.module_path, c.verdict, list(c.faulty))
+                                       for c in result.checks if c.check == "expert"]
+    return mode, reason, voted

@@ -105,3 +105,24 @@ def test_moe_sdc_quarantines_the_durable_candidate_and_keeps_the_verified_one(tm
                          if rank == 0 else []), rank
     with open(tmp_path / "manifests" / "latest_verified.json") as f:
         assert json.load(f)["checkpoint_id"] == "job-ckpt-4"
+
+
+def test_full_catalog_sweep_covers_every_recipe():
+    # prepare_recovery("hang") replays every recipe of the workload on the expert peers, from each
+    # peer group's newest recording (step 4). Clean: every entry agrees and LATEST is selected.
+    results = run_ranks(W.recovery_sweep, 4, None, timeout=300)
+    for mode, reason, voted in results:
+        assert mode == "latest", reason
+        assert "2 catalog modules replayed" in reason and "every module agreed bitwise" in reason
+
+
+def test_full_catalog_sweep_finds_expert_sdc_and_selects_verified():
+    # Rank 3's expert output is corrupted from step 4 on: the sweep finds it on both recipes (the
+    # step-4 check replayed only n_exec=3) for the expert pair [1, 3]; every rank selects
+    # RECOVERY_VERIFIED.
+    results = run_ranks(W.recovery_sweep, 4, 3, timeout=300)
+    for rank, (mode, reason, voted) in enumerate(results):
+        assert mode == "recovery_verified", (rank, reason)
+    for rank in (1, 3):
+        assert results[rank][2] == [("expert", "moe.experts[n_exec=2]", "peer_group", []),
+                                    ("expert", "moe.experts[n_exec=3]", "peer_group", [])]
