@@ -218,11 +218,6 @@ class ReplayWorkload:
         if self.device_mesh is not None and not hasattr(self.device_mesh, "mesh_dim_names"):
             raise TypeError(f"ReplayWorkload.device_mesh: must be a DeviceMesh, got {type(self.device_mesh).__name__}")
 
-    @property
-    def dynamic(self) -> bool:
-        """More than one recipe, or any MoE workload: certification uses the candidate protocol."""
-        return len(self.recipes) > 1 or self.peer_role == "expert"
-
     @classmethod
     def from_moe_catalog(cls, catalog: Any, *, replay_modules: Sequence[nn.Module],
                          materializer: Optional[Materializer] = None, device_mesh: Any = None) -> "ReplayWorkload":

@@ -9,37 +9,43 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.timeout(600)
 
 
+def _checks(result):
+    """(step, checks that were not clean) of a rank's unhealthy results. Straggler findings are
+    left out where a test is not about timing: 2 shared CPU cores make step times noisy."""
+    return [(step, checks) for step, checks, _ in result if checks]
+
+
 def test_clean_moe_run_reports_nothing():
     # EP=2 x EDP=2, expert replay of both recipes and the AllToAll replay at every check.
-    assert run_ranks(W.clean, 4, 2, timeout=300) == [[], [], [], []]
+    assert [_checks(r) for r in run_ranks(W.clean, 4, 2, timeout=300)] == [[], [], [], []]
 
 
 def test_expert_fault_two_replicas_names_the_expert_pair():
     # Two expert-DP replicas cannot say which one is right: the pair holding the faulty expert
     # (ranks 1 and 3, EP coordinate 1) is named at every check, the other pair stays clean.
-    results = run_ranks(W.expert_fault, 4, 2, 1, timeout=300)
+    results = [_checks(r) for r in run_ranks(W.expert_fault, 4, 2, 1, timeout=300)]
     assert results[0] == [] and results[2] == []
     for rank in (1, 3):
         assert results[rank] == [
-            (2, [("expert", "moe.experts[n_exec=2]", "peer_group", [], [1, 3])], []),
-            (4, [("expert", "moe.experts[n_exec=3]", "peer_group", [], [1, 3])], []),
+            (2, [("expert", "moe.experts[n_exec=2]", "peer_group", [], [1, 3])]),
+            (4, [("expert", "moe.experts[n_exec=3]", "peer_group", [], [1, 3])]),
         ]
 
 
 def test_expert_fault_three_replicas_localizes_the_rank():
     # EP=2 x EDP=3: expert peers [1, 3, 5]; a corrupted expert output on rank 3 is named exactly.
-    results = run_ranks(W.expert_fault, 6, 2, 3, timeout=400)
+    results = [_checks(r) for r in run_ranks(W.expert_fault, 6, 2, 3, timeout=400)]
     for rank in (0, 2, 4):
         assert results[rank] == []
     for rank in (1, 3, 5):
         assert results[rank] == [
-            (2, [("expert", "moe.experts[n_exec=2]", "sdc", [3], [1, 3, 5])], []),
-            (4, [("expert", "moe.experts[n_exec=3]", "sdc", [3], [1, 3, 5])], []),
+            (2, [("expert", "moe.experts[n_exec=2]", "sdc", [3], [1, 3, 5])]),
+            (4, [("expert", "moe.experts[n_exec=3]", "sdc", [3], [1, 3, 5])]),
         ]
 
 
 def _all_to_all_checks(result):
-    return [(step, [c for c in checks if c[0] == "all_to_all"]) for step, checks, _ in result]
+    return [(step, [c for c in checks if c[0] == "all_to_all"]) for step, checks in _checks(result)]
 
 
 def test_all_to_all_reorder_on_one_rank_is_caught_and_named():
@@ -47,7 +53,7 @@ def test_all_to_all_reorder_on_one_rank_is_caught_and_named():
     # call of the step (the 1-D count exchange, which the fault leaves alone), step 4 the token
     # dispatch: several senders' rows arrive wrong at rank 1 only, so the receiver is named.
     results = run_ranks(W.all_to_all_fault, 4, "reorder", 1, timeout=300)
-    assert results[2] == [] and results[3] == []
+    assert _checks(results[2]) == [] and _checks(results[3]) == []
     for rank in (0, 1):
         assert _all_to_all_checks(results[rank]) == [
             (4, [("all_to_all", "all_to_all_single#1(group=[0, 1])", "sdc", [1], [0, 1])])]
@@ -56,7 +62,7 @@ def test_all_to_all_reorder_on_one_rank_is_caught_and_named():
 def test_all_to_all_drop_is_caught_by_routing_verification():
     # One row from rank 0 never arrives intact at rank 1: one bad route, the pair is named.
     results = run_ranks(W.all_to_all_fault, 4, "drop", 1, timeout=300)
-    assert results[2] == [] and results[3] == []
+    assert _checks(results[2]) == [] and _checks(results[3]) == []
     for rank in (0, 1):
         assert _all_to_all_checks(results[rank]) == [
             (4, [("all_to_all", "all_to_all_single#1(group=[0, 1])", "peer_group", [], [0, 1])])]
