@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from lm_resiliency.codec import Layout, StateSchemaError, decode_state
 from lm_resiliency.recovery import SweepOutcome
 from lm_resiliency.scout.invocation import (
     SeededRng,
@@ -75,17 +74,15 @@ class WorkloadSweep(FullCatalogSweep):
 
     def _replay(self, header: dict, payload: bytes, source: int) -> dict:
         doc: Dict[str, Any] = {"modules": [], "error": None}
+        invocation = self._invocation(header, payload, source)
         try:
-            layout = Layout.from_json(header.get("layout"))
-            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-                torch.empty(0, dtype=torch.uint8)
-            invocation = decode_state(header.get("structure"), list(layout.views(buffer)))
             calls = list(zip(invocation["args"], [invocation["kwargs"][str(i)] for i in
                                                   range(len(invocation["args"]))]))
-            if len(calls) != len(self._workload.replay_modules):
-                raise StateSchemaError(f"{len(calls)} recorded calls for {len(self._workload.replay_modules)} modules")
-        except (StateSchemaError, TypeError, KeyError) as exc:
+        except (TypeError, KeyError) as exc:
             raise _Incomplete(f"the calls published by rank {source} are malformed: {exc}") from exc
+        if len(calls) != len(self._workload.replay_modules):
+            raise _Incomplete(f"rank {source} published {len(calls)} calls for {len(self._workload.replay_modules)} "
+                              "replay modules")
         for check, label, module in self._modules:
             params = structure_signature(list(module.parameters()))
             out: Optional[str] = None
