@@ -44,16 +44,27 @@ from lm_resiliency.faults import (
 from lm_resiliency.gemini.chunking import estimate_chunk_size
 from lm_resiliency.manager_api.hooks import OrchestrationHooks
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback, RecoveryMode
-from lm_resiliency.trust import CallbackDurableCheckpointAdapter, DurableCheckpointConfig
+from lm_resiliency.scout.alltoall_policy import (
+    AllToAllCapture,
+    AllToAllReplayPolicy,
+    AllToAllTrafficMatrix,
+    BalancedAndPermutationPolicy,
+)
 from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.moe_workload import GroupedExpertMaterializer, LeadingDimensionMaterializer, ReplayWorkload
 from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.session import ResiliencyHandle, ResiliencySession
+from lm_resiliency.trust import CallbackDurableCheckpointAdapter, DurableCheckpointConfig
 
 __all__ = [
     # Activation and lifecycle
     "enable_resiliency", "FrameworkName", "ResiliencySession", "ResiliencyHandle",
     # Configuration
     "InMemoryCkptConfig", "ReplayHarnessConfig",
+    # Dynamic and MoE replay
+    "ReplayWorkload", "GroupedExpertMaterializer", "LeadingDimensionMaterializer",
+    # AllToAll replay
+    "AllToAllReplayPolicy", "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy",
     # Durable certification
     "DurableCheckpointConfig", "CallbackDurableCheckpointAdapter",
     # Fault reporting

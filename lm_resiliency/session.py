@@ -141,8 +141,8 @@ class ResiliencySession:
                     self._agreement_group = wire.new_group(None, self.config.timeout_s,
                                                            "the checkpoint-trust agreement group")
                     self.scout.exclude_groups(self._agreement_group)
-                self.ledger = CertificationLedger(1, self.manager.store, group=self._agreement_group,
-                                                  durable=durable_checkpoint)
+                self.ledger = CertificationLedger(self.scout.catalog_size, self.manager.store,
+                                                  group=self._agreement_group, durable=durable_checkpoint)
                 self.manager.protected_steps = self._protected_steps
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
@@ -301,7 +301,8 @@ class ResiliencySession:
             if self.ledger is not None:
                 # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank, and
                 # so does NaN/Inf state anywhere (replay cannot see it once the all-reduce spread it).
-                decision = self.ledger.boundary(self.step_count, self._boundary_verdict, cycle_complete=True,
+                decision = self.ledger.boundary(self.step_count, self._boundary_verdict,
+                                                cycle_complete=self.scout.cycle_complete(self.step_count),
                                                 finite=not nonfinite)
                 self._boundary_verdict = "incomplete"
                 if decision.nonfinite_ranks:

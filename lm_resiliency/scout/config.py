@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lm_resiliency._values import MAX_SECONDS, ConfigError, is_int, is_seconds
+from lm_resiliency.scout.alltoall_policy import AllToAllReplayPolicy, BalancedAndPermutationPolicy
+from lm_resiliency.scout.moe_workload import ReplayWorkload
 
 # The probe is a third of a check's cost and a slow link is a throughput problem, not a
 # correctness one: by default it runs at every 5th check, which keeps its amortized cost a fifth
@@ -46,6 +49,10 @@ class ReplayHarnessConfig:
     capture_inputs_by_value: bool = True
     reference_max_bytes: int = 1 << 30
     seed: int = 0
+    # MoE / custom workload replay (scout/moe_replay.py) and AllToAll replay (scout/alltoall.py).
+    workload: Optional[ReplayWorkload] = None
+    all_to_all_policy: Optional[AllToAllReplayPolicy] = dataclasses.field(
+        default_factory=BalancedAndPermutationPolicy)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -77,6 +84,10 @@ class ReplayHarnessConfig:
         require(is_int(self.reference_max_bytes) and self.reference_max_bytes >= 0, "reference_max_bytes",
                 "must be a non-negative integer number of bytes (0: no reference replays)")
         require(is_int(self.seed), "seed", "must be an int")
+        require(self.workload is None or isinstance(self.workload, ReplayWorkload), "workload",
+                "must be None or a ReplayWorkload (ReplayWorkload.from_moe_catalog / from_shapes)")
+        require(self.all_to_all_policy is None or isinstance(self.all_to_all_policy, AllToAllReplayPolicy),
+                "all_to_all_policy", "must be None (AllToAll replay off) or an AllToAllReplayPolicy")
 
     def interval_for(self, check: str) -> int:
         """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer'."""

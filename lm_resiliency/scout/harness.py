@@ -30,9 +30,12 @@ from lm_resiliency import wire
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
+from lm_resiliency.scout.moe_replay import WorkloadReplayDetector, workload_peer_groups
+from lm_resiliency.scout.moe_sweep import CombinedSweep, WorkloadSweep
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
 from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
+from lm_resiliency.scout.alltoall import AllToAllRecorder, AllToAllReplayer
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
 from lm_resiliency.scout.reports import SCOPE_RANK, SDC, ReplayResult, SCOUTFaultReport
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
@@ -102,8 +105,10 @@ class ScoutHarness:
                     replay_group, group_ranks = created, list(ranks)
         if peer_groups is not None:
             try:
-                self.detector = ReplayDetector(model, optimizer, config, group=replay_group,
-                                               group_ranks=group_ranks)
+                workload = config.workload
+                expert = workload.replay_modules if workload is not None and workload.peer_role == "expert" else ()
+                self.detector = ReplayDetector(model, optimizer, config, group=replay_group, group_ranks=group_ranks,
+                                               exclude=expert)
             except ReplayUnsupportedError as exc:
                 logger.warning("SCOUT: replay checks disabled: %s", exc)
             else:
@@ -119,6 +124,14 @@ class ScoutHarness:
         self._exchange_timeout_s = bound
         self.host = hosts.get(self.rank, "")
         self.communication = CommunicationStragglerLocalizer(config, hosts)
+        self.workload_detector = self._workload_detector(model, optimizer, topology, bound)
+        self._all_to_all: Optional[AllToAllReplayer] = None
+        self._all_to_all_recorder: Optional[AllToAllRecorder] = None
+        self.all_to_all_links = CommunicationStragglerLocalizer(config, hosts)
+        if distributed and self.world_size > 1 and config.all_to_all_policy is not None:
+            exchange = wire.new_group(None, bound, "SCOUT's AllToAll replay exchange")
+            self._groups.append(exchange)
+            self._all_to_all = AllToAllReplayer(config.all_to_all_policy, exchange, bound)
         if self.world_size > 2 and probe_collectives:
             self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
         if distributed:
@@ -130,8 +143,48 @@ class ScoutHarness:
             self._trace = trace_collectives(self.beacon)
             self._ddp_trace = install_ddp_trace(model, self.beacon)
         # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
-        self.sweep = FullCatalogSweep(self.detector, config.full_sweep_timeout_s) \
-            if self.detector is not None else None
+        sweeps: List[FullCatalogSweep] = []
+        if self.detector is not None:
+            sweeps.append(FullCatalogSweep(self.detector, config.full_sweep_timeout_s))
+        if self.workload_detector is not None:
+            sweeps.append(WorkloadSweep(self.workload_detector, config.full_sweep_timeout_s))
+        self.sweep: Optional[Any] = (CombinedSweep(sweeps) if len(sweeps) > 1 else sweeps[0]) if sweeps else None
+
+    def _workload_detector(self, model: nn.Module, optimizer: Any, topology: Optional[Mapping[str, Any]],
+                           bound: float) -> Optional[WorkloadReplayDetector]:
+        """The `ReplayHarnessConfig.workload` detector on its peer groups (expert-data-parallel for
+        an expert workload); None without a workload or when the layout is unknown (warned)."""
+        workload = self.config.workload
+        if workload is None:
+            return None
+        try:
+            groups = workload_peer_groups(workload, dict(topology) if topology else {}, self.world_size,
+                                          _parameter_mesh(model))
+        except UnknownLayoutError as exc:
+            logger.warning("SCOUT: %s workload replay is off: %s", workload.peer_role, exc)
+            return None
+        group, ranks = None, [self.rank]
+        if self.world_size > 1:
+            for members in groups:
+                created = wire.new_group(members, bound, f"SCOUT's {workload.peer_role} replay peer group")
+                self._groups.append(created)
+                if self.rank in members:
+                    group, ranks = created, list(members)
+        detector = WorkloadReplayDetector(model, optimizer, self.config, workload, group=group, group_ranks=ranks)
+        logger.info("SCOUT: %s replay among ranks %s: %s", workload.peer_role, ranks, workload.describe())
+        return detector
+
+    @property
+    def catalog_size(self) -> int:
+        """K, the replay recipes in one certification cycle: the workload's recipes, else 1 (dense)."""
+        return self.workload_detector.cycle_length if self.workload_detector is not None else 1
+
+    def cycle_complete(self, step: int) -> bool:
+        """Whether the check at `step` ran the last recipe of a workload cycle (always, when dense)."""
+        detector = self.workload_detector
+        if detector is None:
+            return True
+        return bool(detector.checks_due(step)) and detector.recipe_index(step) == detector.cycle_length - 1
 
     def coverage(self) -> Optional[Dict[str, Any]]:
         """What one rotation of the replay checks covers (`ReplayDetector.coverage`); None when
@@ -153,21 +206,39 @@ class ScoutHarness:
     def before_forward(self, step: int) -> None:
         self._armed = self.check_due(step)
         if self._armed:
-            self.detector.arm(step)
             if self.sweep is not None:
                 self.sweep.record(step)
+            if self.detector is not None and self.detector.checks_due(step):
+                self.detector.arm(step)
+            if self.workload_detector is not None and self.workload_detector.checks_due(step):
+                self.workload_detector.arm(step)
+            if self._all_to_all is not None:
+                self._all_to_all_recorder = AllToAllRecorder()
 
     def check_due(self, step: int) -> bool:
-        return self.detector is not None and bool(self.detector.checks_due(step))
+        return any(d is not None and bool(d.checks_due(step)) for d in (self.detector, self.workload_detector))
 
     def before_optimizer_step(self, step: int) -> Optional[ReplayResult]:
         """Run the checks due at `step` (collective). None when nothing was due."""
         if not self.check_due(step):
             return None
+        recorder, self._all_to_all_recorder = self._all_to_all_recorder, None
+        calls = recorder.remove() if recorder is not None else []
+        checks: list = []
         with self._own_section("scout_replay", step):
-            result = self.detector.run(step)
+            if self.detector is not None and self.detector.checks_due(step):
+                checks += self.detector.run(step).checks
+            if self.workload_detector is not None and self.workload_detector.checks_due(step):
+                checks += self.workload_detector.run(step).checks
+        result = ReplayResult(step, tuple(checks))
         findings = []
-        timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding")
+        if self._all_to_all is not None:
+            with self._own_section("scout_all_to_all", step):
+                routing, latencies = self._all_to_all.run(step, step // self.config.check_interval, calls)
+            result = ReplayResult(step, result.checks + tuple(routing))
+            findings += [replace(f, evidence=dict(f.evidence, measure="all_to_all_replay"))
+                         for f in self.all_to_all_links.observe(latencies)]
+        timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding", "expert")
                         and c.timings_s), None)
         if timings and len(timings) >= 3:
             findings += self.compute.observe(timings)
@@ -259,6 +330,12 @@ class ScoutHarness:
         if self.detector is not None:
             self.detector.close()
             self.detector = None
+        if self.workload_detector is not None:
+            self.workload_detector.close()
+            self.workload_detector = None
+        if self._all_to_all_recorder is not None:
+            self._all_to_all_recorder.remove()
+            self._all_to_all_recorder = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None

@@ -182,8 +182,14 @@ def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
     if unknown:
         raise UnknownLayoutError(f"device mesh dimensions {unknown} are neither data-parallel "
                                  f"{sorted(DATA_PARALLEL_DIMS)} nor model-parallel {sorted(MODEL_PARALLEL_DIMS)}")
-    data_parallel = [n for n in names if n in DATA_PARALLEL_DIMS]
-    if not data_parallel:
+    return mesh_peer_groups(shape, names, ranks, [n for n in names if n in DATA_PARALLEL_DIMS])
+
+
+def mesh_peer_groups(shape: Sequence[int], names: Sequence[str], ranks: Sequence[int],
+                     varying: Sequence[str]) -> List[List[int]]:
+    """Peer groups (global ranks) of a mesh holding `ranks` in mesh order: ranks varying along the
+    `varying` dimensions only; every rank alone when there is none."""
+    if not varying:
         return [[rank] for rank in sorted(ranks)]
-    positions = peer_groups_from_mesh(shape, names, replicate_dim=data_parallel)
+    positions = peer_groups_from_mesh(shape, names, replicate_dim=list(varying))
     return sorted(sorted(ranks[p] for p in group) for group in positions)

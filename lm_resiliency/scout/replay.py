@@ -96,8 +96,14 @@ class ModuleCatalog:
     remaining: Tuple[Tuple[str, nn.Module], ...] = ()
 
     @staticmethod
-    def of(model: nn.Module) -> "ModuleCatalog":
+    def of(model: nn.Module, exclude: Sequence[nn.Module] = ()) -> "ModuleCatalog":
+        """`exclude`: modules replayed elsewhere (expert stages, on expert peers); neither they, what
+        they hold, nor what holds them is sampled."""
         named = [(path or "(root)", m) for path, m in model.named_modules()]
+        if exclude:
+            inside = {id(m) for e in exclude for m in e.modules()}
+            named = [(p, m) for p, m in named
+                     if id(m) not in inside and not any(id(c) in inside for c in m.modules())]
         leaves = [(p, m) for p, m in named
                   if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None]
         embedding = next(((p, m) for p, m in named if isinstance(m, nn.Embedding)), leaves[0] if leaves else None)
@@ -248,7 +254,8 @@ class ReplayDetector:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ReplayHarnessConfig, *,
-                 group: Optional[dist.ProcessGroup], group_ranks: Sequence[int]) -> None:
+                 group: Optional[dist.ProcessGroup], group_ranks: Sequence[int],
+                 exclude: Sequence[nn.Module] = ()) -> None:
         if not isinstance(config, ReplayHarnessConfig):
             raise TypeError(f"config must be a ReplayHarnessConfig, got {type(config).__name__}")
         ranks = list(group_ranks)
@@ -278,7 +285,9 @@ class ReplayDetector:
         self.group_ranks: Tuple[int, ...] = tuple(ranks)
         self.host = socket.gethostname()
         self._root = unwrap_model(model)
-        self.catalog = ModuleCatalog.of(self._root)
+        self.catalog = ModuleCatalog.of(self._root, exclude)
+        # Parameters of excluded modules differ between these peers (experts): never sampled here.
+        self._excluded = {id(p) for m in exclude for p in m.parameters()}
         # FSDP modules to unshard around each sampled module's replay (none for dense and TP-only models).
         self._fsdp: Dict[str, List[nn.Module]] = {}
         self._remaining = self._replayable_remaining()
@@ -334,7 +343,7 @@ class ReplayDetector:
         seen, out = set(), []
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                if id(p) not in seen:
+                if id(p) not in seen and id(p) not in self._excluded:
                     seen.add(id(p))
                     out.append((index, p))
         return out

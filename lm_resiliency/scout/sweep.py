@@ -225,9 +225,8 @@ class FullCatalogSweep:
                                     "layout": layout.to_json(), "autocast": recorded.autocast,
                                     "training": recorded.training})
 
-    def _replay(self, header: dict, payload: bytes, source: int) -> dict:
-        """This peer's signatures of the replayed forward, or the error that stopped it."""
-        doc: Dict[str, Any] = {"modules": [], "error": None}
+    def _invocation(self, header: dict, payload: bytes, source: int) -> dict:
+        """The published recording as `{"args": ..., "kwargs": ...}`; _Incomplete when malformed."""
         try:
             layout = Layout.from_json(header.get("layout"))
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
@@ -237,6 +236,12 @@ class FullCatalogSweep:
                 raise StateSchemaError("the shared invocation must be {'args': ..., 'kwargs': ...}")
         except (StateSchemaError, TypeError) as exc:
             raise _Incomplete(f"the invocation published by rank {source} is malformed: {exc}") from exc
+        return invocation
+
+    def _replay(self, header: dict, payload: bytes, source: int) -> dict:
+        """This peer's signatures of the replayed forward, or the error that stopped it."""
+        doc: Dict[str, Any] = {"modules": [], "error": None}
+        invocation = self._invocation(header, payload, source)
         outputs: Dict[str, List[str]] = {path: [] for _, path, _ in self._modules}
 
         def signer(path: str):

@@ -34,7 +34,9 @@ def test_package_root_exports_exactly_the_stable_names_that_exist():
               "InMemoryCkptConfig", "ReplayHarnessConfig", "DurableCheckpointConfig",
               "CallbackDurableCheckpointAdapter", "SCOUTFaultReport", "SCOUTFaultCallback",
               "OrchestrationHooks", "replay_fault_reports", "RecoveryDecision", "RecoveryDecisionCallback",
-              "RecoveryMode", "estimate_chunk_size"} | set(STABLE_EXPORTS)
+              "RecoveryMode", "estimate_chunk_size",
+              "ReplayWorkload", "GroupedExpertMaterializer", "LeadingDimensionMaterializer", "AllToAllReplayPolicy",
+              "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy"} | set(STABLE_EXPORTS)
     assert sorted(lm_resiliency.__all__) == sorted(stable) and len(lm_resiliency.__all__) == len(stable)
     for name in lm_resiliency.__all__:
         assert getattr(lm_resiliency, name) is not None

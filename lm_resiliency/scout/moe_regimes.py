@@ -1,0 +1,174 @@
+"""`lm-resiliency-discover-moe-regimes`: a SCOUT MoE replay catalog from saved profiler observations.
+
+    lm-resiliency-discover-moe-regimes --observations obs.json --environment env.json \\
+        --request request.json --output catalog.json
+
+Inputs (JSON, strict: unknown or missing fields are errors):
+- observations `{"schema": "lm-resiliency/moe-observations/v1", "observations": [{"layer": str,
+  "step": int, "tokens_per_expert": [int, ...]}]}`: per-local-expert row counts the profiler saw
+  at the expert stage.
+- environment `{"schema": "lm-resiliency/moe-environment/v1", "environment_id": str,
+  "local_experts": int, "alignment": int, "regime_boundaries": [int, ...]}`: the row counts at
+  which the expert kernels change regime (ascending, first 1): regime i is
+  `[boundaries[i], boundaries[i+1])`, the last one open-ended.
+- request `{"schema": "lm-resiliency/moe-regime-request/v1", "layers": [str, ...],
+  "max_recipes": int, "require_complete": bool}`.
+
+Qualification: every observed nonzero count falls in one regime; each observed regime gets one
+recipe, `n_exec` = its most frequent count rounded up to `alignment` (smallest on ties), which
+must stay inside the regime. The catalog is *complete* when every requested layer has
+observations and every observed regime has a recipe within `max_recipes`; *exact* when, in
+addition, every observed count equals its regime's `n_exec` (otherwise a recipe represents its
+regime's other counts). An incomplete catalog with `require_complete` is an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence
+
+from lm_resiliency.scout.moe_workload import CATALOG_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+OBSERVATIONS_SCHEMA = "lm-resiliency/moe-observations/v1"
+ENVIRONMENT_SCHEMA = "lm-resiliency/moe-environment/v1"
+REQUEST_SCHEMA = "lm-resiliency/moe-regime-request/v1"
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+
+
+class RegimeInputError(ValueError):
+    """An input document breaks its schema; the message names the file and the field."""
+
+
+def _int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _fields(doc: Any, where: str, schema: str, expected: Dict[str, Any]) -> Dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise RegimeInputError(f"{where}: must be a JSON object, got {type(doc).__name__}")
+    if doc.get("schema") != schema:
+        raise RegimeInputError(f"{where}: schema must be {schema!r}, got {doc.get('schema')!r}")
+    keys = set(doc) - {"schema"}
+    if keys != set(expected):
+        missing, unknown = sorted(set(expected) - keys), sorted(keys - set(expected))
+        raise RegimeInputError(f"{where}: " + "; ".join(
+            part for part in (f"missing fields {missing}" if missing else "",
+                              f"unknown fields {unknown}" if unknown else "") if part))
+    for key, check in expected.items():
+        if not check(doc[key]):
+            raise RegimeInputError(f"{where}.{key}: invalid value {doc[key]!r}")
+    return doc
+
+
+def _load(path: str, what: str) -> Any:
+    try:
+        if os.path.getsize(path) > MAX_INPUT_BYTES:
+            raise RegimeInputError(f"{what} {path}: larger than {MAX_INPUT_BYTES} bytes")
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise RegimeInputError(f"{what} {path}: cannot be read: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RegimeInputError(f"{what} {path}: not valid JSON: {exc}") from exc
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_int(v, 0) for v in value)
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value) \
+        and len(set(value)) == len(value)
+
+
+def discover(observations: Any, environment: Any, request: Any) -> Dict[str, Any]:
+    """The catalog document (`ReplayWorkload.from_moe_catalog` reads it). Raises RegimeInputError."""
+    env = _fields(environment, "environment", ENVIRONMENT_SCHEMA, {
+        "environment_id": lambda v: isinstance(v, str) and bool(v), "local_experts": lambda v: _int(v, 1),
+        "alignment": lambda v: _int(v, 1),
+        "regime_boundaries": lambda v: _counts(v) and v[0] == 1 and all(a < b for a, b in zip(v, v[1:]))})
+    req = _fields(request, "request", REQUEST_SCHEMA, {
+        "layers": _names, "max_recipes": lambda v: _int(v, 1), "require_complete": lambda v: isinstance(v, bool)})
+    obs = _fields(observations, "observations", OBSERVATIONS_SCHEMA, {"observations": lambda v: isinstance(v, list)})
+    seen: Dict[str, int] = {}
+    counts: Counter = Counter()
+    for i, entry in enumerate(obs["observations"]):
+        _fields(dict(entry, schema=OBSERVATIONS_SCHEMA) if isinstance(entry, dict) else entry,
+                f"observations.observations[{i}]", OBSERVATIONS_SCHEMA,
+                {"layer": lambda v: isinstance(v, str) and bool(v), "step": lambda v: _int(v, 0),
+                 "tokens_per_expert": _counts})
+        if len(entry["tokens_per_expert"]) != env["local_experts"]:
+            raise RegimeInputError(f"observations.observations[{i}].tokens_per_expert: "
+                                   f"{len(entry['tokens_per_expert'])} counts, the environment has "
+                                   f"{env['local_experts']} local experts")
+        if entry["layer"] not in req["layers"]:
+            raise RegimeInputError(f"observations.observations[{i}].layer: {entry['layer']!r} is not a requested "
+                                   f"layer {req['layers']}")
+        seen[entry["layer"]] = seen.get(entry["layer"], 0) + 1
+        counts.update(c for c in entry["tokens_per_expert"] if c > 0)
+    bounds: List[int] = env["regime_boundaries"]
+    by_regime: Dict[int, Counter] = {}
+    for count, n in counts.items():
+        regime = max(i for i, b in enumerate(bounds) if b <= count)
+        by_regime.setdefault(regime, Counter())[count] += n
+    recipes = []
+    for regime in sorted(by_regime):
+        lo, hi = bounds[regime], bounds[regime + 1] if regime + 1 < len(bounds) else None
+        top = max(by_regime[regime].values())
+        common = min(c for c, n in by_regime[regime].items() if n == top)
+        n_exec = math.ceil(common / env["alignment"]) * env["alignment"]
+        if hi is not None and n_exec >= hi:
+            raise RegimeInputError(f"environment.alignment: {env['alignment']} rounds regime [{lo}, {hi}) out of "
+                                   f"itself ({common} -> {n_exec}); the regime boundaries must be aligned")
+        recipes.append({"n_exec": n_exec, "regime": [lo, hi], "observed": sum(by_regime[regime].values())})
+    missing = [layer for layer in req["layers"] if layer not in seen]
+    over = max(0, len(recipes) - req["max_recipes"])
+    problems = ([f"no observations for layers {missing}"] if missing else []) + \
+        ([f"{len(recipes)} observed regimes exceed max_recipes {req['max_recipes']}"] if over else []) + \
+        (["no nonzero expert counts observed"] if not recipes else [])
+    complete = not problems
+    if not complete and req["require_complete"]:
+        raise RegimeInputError("the catalog is incomplete: " + "; ".join(problems))
+    recipes = recipes[:req["max_recipes"]]
+    exact = complete and all(set(by_regime[r]) == {rec["n_exec"]} for r, rec in zip(sorted(by_regime), recipes))
+    return {"schema": CATALOG_SCHEMA, "environment_id": env["environment_id"], "layers": req["layers"],
+            "recipes": recipes, "complete": complete, "exact": exact, "problems": problems}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lm-resiliency-discover-moe-regimes",
+                                     description="Build a SCOUT MoE replay catalog from profiler observations.")
+    parser.add_argument("--observations", required=True, help="saved profiler observations (JSON)")
+    parser.add_argument("--environment", required=True, help="environment description (JSON)")
+    parser.add_argument("--request", required=True, help="request manifest (JSON)")
+    parser.add_argument("--output", default="-", help="catalog path (default: stdout)")
+    args = parser.parse_args(argv)
+    try:
+        catalog = discover(_load(args.observations, "observations"), _load(args.environment, "environment"),
+                           _load(args.request, "request"))
+    except RegimeInputError as exc:
+        sys.stderr.write(f"lm-resiliency-discover-moe-regimes: error: {exc}\n")
+        return 2
+    text = json.dumps(catalog, indent=2, sort_keys=True) + "\n"
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        temp = f"{args.output}.tmp-{os.getpid()}"
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
