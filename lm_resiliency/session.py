@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_ch
 import torch
 import torch.distributed as dist
 
+from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
@@ -199,7 +200,7 @@ class ResiliencySession:
             with self.checkpoint_io("read", name="load_fallback"):
                 result = self._load_fallback()
             self.recovered_from = "fallback"
-            if isinstance(result, int) and not isinstance(result, bool):
+            if is_int(result):
                 self.step_count = result
                 self._announce(f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}")
             else:

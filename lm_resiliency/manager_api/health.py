@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+from lm_resiliency._values import is_int
 from lm_resiliency.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class HealthConfig:
                 "temperature_warning_margin_c",
                 f"must be a finite number of degrees C >= temperature_fatal_margin_c "
                 f"({self.temperature_fatal_margin_c!r}): warnings start before the fatal margin")
-        require(isinstance(self.nvlink_error_growth_fatal, int) and not isinstance(self.nvlink_error_growth_fatal, bool)
+        require(is_int(self.nvlink_error_growth_fatal)
                 and self.nvlink_error_growth_fatal >= 1,
                 "nvlink_error_growth_fatal", "must be a positive int number of errors per poll")
 

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
+from lm_resiliency._values import is_int
 from lm_resiliency.config import ConfigError
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback, RecoveryMode, select_mode
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
@@ -98,7 +99,7 @@ def _lookup(step_source: Optional[StepSource], mode: RecoveryMode) -> Tuple[Opti
         return None, None, None, f"checkpoint lookup returned {found!r}, not (step, source[, checkpoint_id])"
     step, source = found[0], found[1]
     checkpoint_id = found[2] if len(found) == 3 else None
-    valid = ((step is None or (isinstance(step, int) and not isinstance(step, bool) and step >= 0))
+    valid = ((step is None or (is_int(step) and step >= 0))
              and (source is None or isinstance(source, str))
              and (checkpoint_id is None or isinstance(checkpoint_id, str)))
     if not valid:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
@@ -252,7 +253,7 @@ class ReplayDetector:
         if not isinstance(config, ReplayHarnessConfig):
             raise TypeError(f"config must be a ReplayHarnessConfig, got {type(config).__name__}")
         ranks = list(group_ranks)
-        if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks) \
+        if not ranks or not all(is_int(r) and r >= 0 for r in ranks) \
                 or len(set(ranks)) != len(ranks):
             raise ValueError(f"group_ranks must be distinct non-negative ints, got {group_ranks!r}")
         self._rank = dist.get_rank() if dist.is_initialized() else ranks[0]
