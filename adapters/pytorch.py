@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from torch import nn
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
+from lm_resiliency.wrappers import find_ddp, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,32 +44,6 @@ def _dtensor_type():
 def _is_dtensor(value: Any) -> bool:
     cls = _dtensor_type()
     return cls is not None and isinstance(value, cls)
-
-
-def _is_compiled_wrapper(module: nn.Module) -> bool:
-    # torch.compile loads torch._dynamo; a process that never imported it holds no OptimizedModule.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
-def _wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
-    """`model`, then each module it wraps through DDP (`module`) and torch.compile (`_orig_mod`)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        yield model
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif _is_compiled_wrapper(model):
-            model = model._orig_mod
-        else:
-            return
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module whose state_dict keys are the user's: DDP adds `module.`, torch.compile `_orig_mod.`."""
-    *_, inner = _wrapper_chain(model)
-    return inner
 
 
 def check_optimizer_owns_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -164,11 +138,9 @@ class PyTorchAdapter(FrameworkAdapter):
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
-        from torch.nn.parallel import DistributedDataParallel
-
-        for wrapper in _wrapper_chain(model):  # DDP may sit inside or outside torch.compile
-            if isinstance(wrapper, DistributedDataParallel):
-                pin_bucket_layout(wrapper)  # one gradient bucket layout for fresh and resumed runs
+        ddp = find_ddp(model)  # DDP may sit inside or outside torch.compile
+        if ddp is not None:
+            pin_bucket_layout(ddp)  # one gradient bucket layout for fresh and resumed runs
 
     # --------------------------------------------------------------- topology
 
@@ -207,10 +179,8 @@ class PyTorchAdapter(FrameworkAdapter):
             descriptor = {"kind": kind, "mesh_shape": shape, "mesh_dim_names": names,
                           "coordinate": list(mesh.get_coordinate() or [])}
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            ddp = any(isinstance(m, DistributedDataParallel) for m in _wrapper_chain(self.model))
+            ddp = find_ddp(self.model) is not None
             kind = "ddp" if ddp else (
                 "replicated" if distributed else "single")
             replicate, shard = (dist.get_world_size() if distributed else 1), 1

@@ -6,7 +6,7 @@ Layers, highest first; a module may import its own layer or lower ones, never a 
     adapters  adapters.*
     session   session, attach, adapter (the framework contract), cleanup, faults.*
     engine    gemini.*, scout.*, manager_api.*  (gemini and scout never import each other)
-    core      wire, codec, files, config, tensor_bytes, recovery, _values
+    core      wire, codec, files, config, tensor_bytes, recovery, _values, wrappers
 
 Imports inside functions count as much as module-level ones, and no two modules may import each
 other, directly or through others (a cycle).
@@ -35,7 +35,8 @@ _PREFIXES = (
     ("lm_resiliency.manager_api", "engine"),
 )
 CORE = {"lm_resiliency.wire", "lm_resiliency.codec", "lm_resiliency.files", "lm_resiliency.config",
-        "lm_resiliency.tensor_bytes", "lm_resiliency.recovery", "lm_resiliency._values"}
+        "lm_resiliency.tensor_bytes", "lm_resiliency.recovery", "lm_resiliency._values",
+        "lm_resiliency.wrappers"}
 # scout/certification.py decides whether a durable checkpoint can be trusted, and reads GEMINI's
 # storage to do it: the bridge until the `trust/` package is split out of it (follow-up work).
 ALLOWED = {("lm_resiliency.scout.certification", "lm_resiliency.gemini"),

@@ -65,6 +65,7 @@ from lm_resiliency.scout.reference import ReferenceStore
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
+from lm_resiliency.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +124,6 @@ class ModuleCatalog:
                 remaining.append((path, module))
                 covered.update(id(p) for p in module.parameters())
         return ModuleCatalog(embedding, hidden, output, tuple(remaining))
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module DDP (or DataParallel) wraps; the model itself otherwise."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
 
 
 def _refuse_compiled(model: nn.Module) -> None:

@@ -53,7 +53,8 @@ from lm_resiliency.scout.invocation import (
     tensors_in,
     to_device,
 )
-from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector, unwrap_model
+from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector
+from lm_resiliency.wrappers import unwrap_model
 from lm_resiliency.scout.reports import ReplayResult
 from lm_resiliency.scout.signature import structure_signature
 from lm_resiliency.tensor_bytes import tensor_bytes
