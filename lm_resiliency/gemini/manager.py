@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini import timeline
@@ -45,7 +45,6 @@ from lm_resiliency.gemini.workers import BackgroundError, Worker
 logger = logging.getLogger(__name__)
 
 _KEEP_GENERATIONS = 2
-KEEP_SHARED_ENV = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
 
 
 class RecoveryUnavailable(RuntimeError):
@@ -872,7 +871,7 @@ class InMemoryCheckpointManager:
         if self._closed:
             return
         if keep_shared is None:
-            keep_shared = self._keep_shared or os.environ.get(KEEP_SHARED_ENV, "") not in ("", "0")
+            keep_shared = self._keep_shared or env_keep_shared_memory()
         self._closed = True
         for signum, previous in self._previous_handlers.items():
             if signal.getsignal(signum) == self._on_signal:
