@@ -29,8 +29,7 @@ from lm_resiliency.wrappers import find_ddp, unwrap_model
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "device",
-                               "process_group", "scaler"})
+SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "scaler"})
 
 
 def _dtensor_type():
@@ -104,13 +103,36 @@ def rewrap_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, An
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
+def check_detection_groups(group: Any, nccl_group: Any) -> None:
+    """`group`/`nccl_group`: this rank's SCOUT peers as a Gloo group (SCOUT's exchanges and
+    replay comparisons run on it) and the device group over the same ranks. ValueError unless
+    both are process groups over the same ranks, including this one, and `group` is Gloo."""
+    for name, value in (("group", group), ("nccl_group", nccl_group)):
+        if value is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns off its ranks
+            raise ValueError(f"{name}= does not contain this rank ({dist.get_rank()}): pass the group of this "
+                             "rank's own SCOUT peers")
+        if not isinstance(value, dist.ProcessGroup):
+            raise TypeError(f"{name}= must be a torch.distributed process group, got {type(value).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("group=/nccl_group= need torch.distributed initialized; create them with "
+                         "dist.new_group on every rank first")
+    ranks, device_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(nccl_group)
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"group= (ranks {ranks}) does not contain this rank ({dist.get_rank()}): pass the "
+                         "group of this rank's own SCOUT peers")
+    if sorted(device_ranks) != sorted(ranks):
+        raise ValueError(f"group= (ranks {ranks}) and nccl_group= (ranks {device_ranks}) must hold the same ranks")
+    if dist.get_backend(group) != dist.Backend.GLOO:
+        raise ValueError(f"group= must be a Gloo group (SCOUT's exchanges use CPU tensors), got "
+                         f"backend {dist.get_backend(group)!r}: create it with dist.new_group(ranks, backend='gloo')")
+
+
 class PyTorchAdapter(FrameworkAdapter):
     framework = "pytorch"
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  scheduler: Any = None, parallelism_info: Any = None,
                  group: Optional[dist.ProcessGroup] = None, nccl_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, process_group: Optional[dist.ProcessGroup] = None,
                  scaler: Optional[torch.amp.GradScaler] = None, skip_replication_if_hsdp: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PyTorch adapter: expected a torch.nn.Module, got {type(model).__name__}")
@@ -119,6 +141,8 @@ class PyTorchAdapter(FrameworkAdapter):
                             f"got {type(optimizer).__name__}")
         if (group is None) != (nccl_group is None):
             raise ValueError("pass both group= and nccl_group= (SCOUT detection groups) or neither")
+        if group is not None:
+            check_detection_groups(group, nccl_group)
         if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
             raise TypeError("scheduler= must have state_dict()/load_state_dict() (an LR scheduler)")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
@@ -133,8 +157,6 @@ class PyTorchAdapter(FrameworkAdapter):
         self._scaler_step: Optional[Callable[..., Any]] = None
         self.parallelism_info = parallelism_info
         self.group, self.nccl_group = group, nccl_group
-        self.device = device
-        self.process_group = process_group
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
@@ -187,7 +209,7 @@ class PyTorchAdapter(FrameworkAdapter):
             descriptor = {"kind": kind}
         natural_replicas = kind == "hsdp" and replicate > 1 and self._skip_replication_if_hsdp
         descriptor.update({"dp_replicate": replicate, "dp_shard": shard})
-        return Topology(kind=kind, replicate=not natural_replicas, descriptor=descriptor)
+        return Topology(kind=kind, replicate=not natural_replicas, descriptor=descriptor, scout_group=self.group)
 
     # ------------------------------------------------------------------ state
 

@@ -29,6 +29,9 @@ class Topology:
     kind: str                          # "single", "ddp", "fsdp2", "hsdp", ...
     replicate: bool = True             # False: natural replicas make GEMINI peer copies redundant
     descriptor: Dict[str, Any] = field(default_factory=dict)  # JSON, part of the topology fingerprint
+    # The user's SCOUT peer group on this rank (Gloo), instead of the groups SCOUT derives from
+    # the descriptor; None: derived.
+    scout_group: Any = None
 
 
 class FrameworkAdapter:

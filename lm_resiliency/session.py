@@ -135,7 +135,7 @@ class ResiliencySession:
             if enable_detection:
                 model, optimizer = adapter.replay_targets()
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
-                                          topology=topology.descriptor)
+                                          topology=topology.descriptor, peer_group=topology.scout_group)
                 if self.manager is not None:
                     self.scout.exclude_groups(self.manager.process_group)
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
