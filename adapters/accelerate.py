@@ -33,6 +33,7 @@ Everything framework-specific is imported lazily; importing this module needs to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
@@ -327,8 +328,7 @@ class AccelerateLoopState:
             self._micro_step = int(self.accelerator.step)
             callbacks.after_optimizer_step()
 
-        return StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step, callbacks.before_forward,
-                             callbacks.skipped_optimizer_step)
+        return dataclasses.replace(callbacks, after_optimizer_step=after_optimizer_step)
 
     def state(self) -> Dict[str, Any]:
         acc = self.accelerator

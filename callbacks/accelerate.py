@@ -108,12 +108,12 @@ class ResiliencyPlugin:
         options = self.options
         if uses_deepspeed(accelerator):
             from lm_resiliency.adapters.deepspeed import with_config_section
-            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks, recover_bound
+            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks
 
             options = with_config_section(accelerator._models[0], options)
             adapter: Any = AccelerateDeepSpeedAdapter(accelerator, hooks=DeepSpeedEngineHooks,
                                                       resume_dataloaders=self.resume_dataloaders)
-            session = attach(adapter, options, recover=recover_bound(adapter))
+            session = attach(adapter, options)
         else:
             adapter = AccelerateAdapter(accelerator, resume_dataloaders=self.resume_dataloaders,
                                         skip_replication_if_hsdp=options.config.skip_replication_if_hsdp)

@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 
+@dataclass(frozen=True)
+class SessionControls:
+    """The session's public methods a surface's hooks may call, handed to them at install (no
+    session object, no adapter pointing back at the session): for frameworks that keep their own
+    step counter (DeepSpeed `global_steps`, TorchTitan `trainer.step`) and teardown."""
+
+    step_count: Callable[[], int]                   # optimizer steps completed
+    continue_from: Callable[[int], None]            # the framework loaded its own checkpoint at step N
+    keep_state_for_relaunch: Callable[[], None]     # this launch ends abnormally: keep host slots
+    close: Callable[[], None]
+
+
 @dataclass
 class StepCallbacks:
     """What the session wants to hear from the framework lifecycle."""
@@ -20,6 +32,7 @@ class StepCallbacks:
     before_forward: Callable[[], None]
     # A step boundary whose optimizer.step() was skipped (AMP gradient overflow): it still counts.
     skipped_optimizer_step: Optional[Callable[[], None]] = None
+    session: Optional[SessionControls] = None
 
 
 @dataclass(frozen=True)

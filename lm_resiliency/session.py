@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lm_resiliency._values import is_int
 from lm_resiliency import wire
-from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
+from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
@@ -150,8 +150,10 @@ class ResiliencySession:
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
                                  "accepted replay check at each checkpoint boundary)")
+            controls = SessionControls(lambda: self.step_count, self.continue_from, self.keep_state_for_relaunch,
+                                       self.close)
             adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
-                                          self._before_forward, self._skipped_optimizer_step))
+                                          self._before_forward, self._skipped_optimizer_step, controls))
         except BaseException:
             try:
                 self.close()
