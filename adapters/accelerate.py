@@ -435,8 +435,7 @@ class AccelerateAdapter(_LoopStateMixin, PyTorchAdapter):
         loop = AccelerateLoopState(accelerator, resume_dataloaders)
         wrapped = accelerator._optimizers[0]
         optimizer = getattr(wrapped, "optimizer", wrapped)
-        super().__init__(model, optimizer, device=accelerator.device,
-                         skip_replication_if_hsdp=skip_replication_if_hsdp)
+        super().__init__(model, optimizer, skip_replication_if_hsdp=skip_replication_if_hsdp)
         self.accelerator = accelerator
         self.accelerated_optimizer = wrapped
         self.loop = loop
