@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency._torch_compat import root_mesh
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
@@ -170,7 +171,7 @@ class PyTorchAdapter(FrameworkAdapter):
         # The root mesh: a TP-only or FSDP-only submesh describes just part of the layout.
         for param in self.module.parameters():
             if _is_dtensor(param):
-                return param.device_mesh._get_root_mesh()
+                return root_mesh(param.device_mesh)
         return None
 
     def topology(self) -> Topology:

@@ -36,7 +36,7 @@ _PREFIXES = (
 )
 CORE = {"lm_resiliency.wire", "lm_resiliency.codec", "lm_resiliency.files", "lm_resiliency.config",
         "lm_resiliency.tensor_bytes", "lm_resiliency.recovery", "lm_resiliency._values",
-        "lm_resiliency.wrappers"}
+        "lm_resiliency.wrappers", "lm_resiliency._torch_compat"}
 # scout/certification.py decides whether a durable checkpoint can be trusted, and reads GEMINI's
 # storage to do it: the bridge until the `trust/` package is split out of it (follow-up work).
 ALLOWED = {("lm_resiliency.scout.certification", "lm_resiliency.gemini"),

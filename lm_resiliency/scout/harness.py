@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
+from lm_resiliency._torch_compat import default_store, root_mesh
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
@@ -50,7 +51,7 @@ def _parameter_mesh(model: nn.Module) -> Optional[tuple]:
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         if type(p).__name__ == "DTensor" and mesh is not None:
-            root = mesh._get_root_mesh()
+            root = root_mesh(mesh)
             roots[id(root)] = root
     if not roots:
         return None
@@ -130,7 +131,7 @@ class ScoutHarness:
         if self.world_size > 2 and probe_collectives:
             self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
         if distributed:
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
             # Sessions are created in the same order on every rank: the count keys their snapshots apart.
             prefix = f"{DEFAULT_PREFIX}/session-{next(_SESSIONS)}"
             self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,
