@@ -1,5 +1,8 @@
-"""Configuration objects (every field validated at construction; errors name the field), and the one
-parser of the `LM_RESILIENCY*` environment and its policy files (`ResiliencyPolicy`)."""
+"""GEMINI's `InMemoryCkptConfig` (every field validated at construction; errors name the field) and
+the one reader of every `LM_RESILIENCY*` variable: the opt-in policy (`ResiliencyPolicy`, with its
+policy files and the DeepSpeed config section, `read_settings`) and the variables read whatever
+LM_RESILIENCY says (`env_run_id`, `env_keep_shared_memory`, `env_resume_step`). SCOUT's
+`ReplayHarnessConfig` is `scout/config.py`."""
 
 from __future__ import annotations
 

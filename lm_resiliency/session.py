@@ -8,6 +8,9 @@ Lifecycle of a capture at optimizer step k (k a multiple of `interval`):
   before optimizer step k+1 -> wait for the copy (GEMINI's maybe_wait)
 The capture is also completed at `flush_for_restart()`, `close()` and interpreter exit, so
 the last step of a run is never left half-captured.
+
+Why one module of this size: the step lifecycle (capture cadence, SCOUT before GEMINI, recovery
+order) is one state machine whose ordering rules must be read together.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ class ResiliencySession:
         except BaseException:
             try:
                 self.close()
-            except Exception:  # noqa: BLE001 - the construction error is the one to raise
+            except Exception:  # the construction error is the one to raise
                 logger.exception("lm-resiliency: close() after a failed start also failed")
             raise
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -618,6 +621,6 @@ def _close_at_exit(ref: "weakref.ReferenceType") -> None:
     if session is not None:
         try:
             session.close()
-        except Exception:  # noqa: BLE001 - nobody is left to raise it to
+        except Exception:  # nobody is left to raise it to
             logger.exception("lm-resiliency: close() at interpreter exit failed; the last capture or "
                              "flush may be missing")

@@ -7,6 +7,9 @@ module's first forward of each iteration, and batches of a wrapped data loader. 
 claimed in the campaign state store right before its first fault is performed, so a worker that
 stops between arming and the matching call leaves it to its successor. Every execution becomes a
 `FaultInjectionRecord` in the campaign journal. The training loop is not changed.
+
+Why one module of this size: the injection session's hooks, activation rules and records share
+one per-iteration state.
 """
 
 from __future__ import annotations

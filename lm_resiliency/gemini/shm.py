@@ -48,6 +48,9 @@ time); otherwise the arena is unavailable and the manager falls back to heap slo
 Memory is bounded: four slots per rank at most (`SLOT_NAMES`), each reserved with
 `posix_fallocate` so a full /dev/shm fails at allocation (heap fallback, warning) rather than
 with SIGBUS in the middle of a copy.
+
+Why one module of this size: the directory protocol (ownership, takeover, reaping, sidecars,
+page-locking) is security-critical and must be reviewed as one unit.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ What it guarantees:
 
 What it does not do: interpret the structure (the manager does), or prove who produced the
 bytes. CRC-32 detects accidental corruption only.
+
+Why one module of this size: every read and write of the on-disk format (shards, status
+sidecars, namespaces, their validation) lives together so the format has one definition.
 """
 
 from __future__ import annotations
@@ -584,7 +587,7 @@ class NodeLocalStore:
         except pickle.UnpicklingError as exc:
             raise bad(f"weights-only load refused it (the file is not a GEMINI tensor file and is "
                       f"never unpickled): {_summarize(exc)}") from exc
-        except Exception as exc:  # noqa: BLE001 - any loader failure means an unusable file
+        except Exception as exc:  # any loader failure means an unusable file
             raise bad(f"not a readable torch file (truncated or corrupt): {_summarize(exc)}") from exc
 
         if not isinstance(obj, dict):

@@ -228,7 +228,7 @@ class HardwareHealthMonitor:
             for source in self._sources:
                 try:
                     source.close()
-                except Exception:  # noqa: BLE001 - one source must not keep the others open
+                except Exception:  # one source must not keep the others open
                     logger.exception("hardware health: closing source %s failed", source.name)
 
     def __enter__(self) -> "HardwareHealthMonitor":
@@ -255,7 +255,7 @@ class HardwareHealthMonitor:
                 if not isinstance(reading, HealthReading):
                     raise TypeError(f"{source.name}.read() returned a {type(reading).__name__}, "
                                     f"expected HealthReading objects")
-        except Exception:  # noqa: BLE001 - a failing source must not stop the monitor
+        except Exception:  # a failing source must not stop the monitor
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
             if failures == 1:
@@ -289,7 +289,7 @@ class HardwareHealthMonitor:
                          reading.value, reading.source, self._host, reading.message)
             try:
                 self._on_event(event)
-            except Exception:  # noqa: BLE001 - the manager's callback must not stop the monitor
+            except Exception:  # the manager's callback must not stop the monitor
                 logger.exception("hardware health: on_event failed for %s %s", reading.device, reading.metric)
 
 

@@ -64,7 +64,7 @@ def _reporting_rank() -> Tuple[int, ...]:
 
         if dist.is_available() and dist.is_initialized():
             return (dist.get_rank(),)
-    except Exception:  # noqa: BLE001 - a broken process group must not block fault reporting
+    except Exception:  # a broken process group must not block fault reporting
         logger.debug("could not read the global rank for a recovery decision", exc_info=True)
     return (0,)
 
@@ -90,7 +90,7 @@ def _lookup(step_source: Optional[StepSource], mode: RecoveryMode) -> Tuple[Opti
         return None, None, None, "no checkpoint lookup was provided"
     try:
         found = step_source(mode)
-    except Exception as exc:  # noqa: BLE001 - reported in the decision; fault reports still go out
+    except Exception as exc:  # reported in the decision; fault reports still go out
         logger.exception("lm-resiliency: checkpoint lookup for a %s recovery decision failed", mode.value)
         return None, None, None, f"checkpoint lookup failed: {type(exc).__name__}: {exc}"
     if not isinstance(found, tuple) or len(found) not in (2, 3):

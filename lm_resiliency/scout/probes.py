@@ -166,7 +166,7 @@ class CollectiveProbe:
             if self._rank in ranks and handle is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(handle)
-                except Exception:  # noqa: BLE001 - teardown must release the rest
+                except Exception:  # teardown must release the rest
                     logger.warning("could not destroy probe group %s", list(ranks), exc_info=True)
         self._handles = []
 

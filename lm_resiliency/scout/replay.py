@@ -25,6 +25,9 @@ A faulty device shows up because the replay runs the module's real forward (its 
 on the faulty peer, which then disagrees with the majority. Parameters and live gradients are
 never modified; the module's buffers are restored after the replay; the live RNG state is
 untouched.
+
+Why one module of this size: arm, share, replay, sign and vote are one collective protocol per
+check; every peer must run the same steps in the same order.
 """
 
 from __future__ import annotations
