@@ -1,5 +1,5 @@
 """Private torch API used outside the DDP bucket pin (all of it is here; the pin's own is in
-`adapters/_ddp_compat.py`, SCOUT's DDP comm-hook reads in `scout/_ddp_hooks_torch213.py`).
+`adapters/_ddp_compat.py`).
 
 Each checked against torch 2.13.0 (tests/unit/test_torch_compat.py fails when one changes):
 - `DeviceMesh._get_root_mesh()`: the mesh a TP-only or FSDP-only submesh was sliced from, so a
@@ -10,16 +10,25 @@ Each checked against torch 2.13.0 (tests/unit/test_torch_compat.py fails when on
   `_pre_forward_hook_handle`/`_post_forward_hook_handle` (their `.id` keys the module's
   `_forward_pre_hooks`/`_forward_hooks` dicts), `_cast_forward_inputs`, `_cast_output_dtype`:
   SCOUT unshards a module for a replay and runs it with only FSDP's dtype casts.
+- DDP: `_comm_hooks` (the Python comm hooks already registered), `_get_ddp_logging_data()
+  ["comm_hook"]` (the name of any hook, C++ built-ins included) and `_use_python_reducer`
+  (compiled autograd's reducer, which calls hooks per parameter, not per bucket): SCOUT's
+  gradient-bucket trace. If a later torch drops one, these answer UNKNOWN / True and the trace is
+  not installed rather than risking a second registration or the wrong hook signature.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+import logging
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 TORCH_CHECKED = "2.13.0"
+UNKNOWN = "unknown"
 
 
 def root_mesh(mesh: Any) -> Any:
@@ -70,3 +79,25 @@ def _cast_output(state: Any) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         return state._cast_output_dtype(output)
     return hook
+
+
+def registered_hook_name(ddp: Any) -> Optional[str]:
+    """The name of the comm hook already registered on `ddp`; None when there is none; UNKNOWN
+    when this torch does not expose it (treated as registered: DDP accepts only one hook)."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks:
+        return getattr(hooks[-1][0], "__qualname__", repr(hooks[-1][0]))
+    try:
+        name = ddp._get_ddp_logging_data().get("comm_hook")
+    except Exception as exc:  # noqa: BLE001 - a torch without the logging data: fail closed
+        logger.debug("DDP logging data unavailable: %r", exc)
+        return UNKNOWN
+    if hooks is None:
+        return UNKNOWN
+    return name or None
+
+
+def uses_python_reducer(ddp: Any) -> bool:
+    """True when DDP reduces through its Python reducer (compiled autograd), whose hooks receive
+    (grad, param) pairs, not buckets; also True when this torch does not say (fail closed)."""
+    return bool(getattr(ddp, "_use_python_reducer", True))

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.scout._ddp_hooks_torch213 import registered_hook_name, uses_python_reducer
+from lm_resiliency._torch_compat import registered_hook_name, uses_python_reducer
 from lm_resiliency.scout.monitor import COMMUNICATION_OP_PREFIX, ProgressBeacon
 from lm_resiliency.wrappers import find_ddp
 

@@ -58,6 +58,15 @@ def _on_real_objects(rank, world):
     assert layer(x).shape == (3, 4)  # runs with only the dtype casts in FSDP's places
     compat.swap_fsdp_forward_hooks(layer, *replaced)
     assert layer._forward_pre_hooks == pre and layer._forward_hooks == post
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    assert "_comm_hooks" in vars(ddp) and "_use_python_reducer" in vars(ddp), \
+        _fail("DistributedDataParallel._comm_hooks/_use_python_reducer")
+    assert compat.registered_hook_name(ddp) is None and compat.uses_python_reducer(ddp) is False
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    assert compat.registered_hook_name(ddp) == "allreduce_hook", _fail("DistributedDataParallel._comm_hooks")
     return True
 
 
