@@ -33,12 +33,14 @@ Everything framework-specific is imported lazily; importing this module needs to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from lm_resiliency.adapter import StepCallbacks, Topology
+from lm_resiliency.adapters import _accelerate_compat as compat
 from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
@@ -57,7 +59,6 @@ logger = logging.getLogger(__name__)
 #               `ResiliencyPlugin.skip_first_batches(dataloader)`.
 RESUME_MODES = DATALOADER_RESUME_MODES
 
-_CLASS_SLOT = object.__dict__["__class__"]  # Accelerate's DataLoaderAdapter hides __class__ behind a property
 _TRACKED_CLASSES: Dict[type, type] = {}
 
 
@@ -66,10 +67,6 @@ class AcceleratePreparationError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- data position
-
-
-def _swap_class(obj: Any, cls: type) -> None:
-    _CLASS_SLOT.__set__(obj, cls)
 
 
 def _tracked_class(cls: type) -> type:
@@ -160,13 +157,13 @@ class DataLoaderTracker:
         if tracker is None:
             tracker = cls(dataloader)
             dataloader.__dict__["_lmr_tracker"] = tracker
-            _swap_class(dataloader, _tracked_class(type(dataloader)))
+            compat.swap_class(dataloader, _tracked_class(type(dataloader)))
         return tracker
 
     def detach(self) -> None:
         if self.dataloader.__dict__.get("_lmr_tracker") is self:
             del self.dataloader.__dict__["_lmr_tracker"]
-            _swap_class(self.dataloader, self.original_class)
+            compat.swap_class(self.dataloader, self.original_class)
 
     # -------------------------------------------------------------- iteration
 
@@ -273,7 +270,7 @@ def check_prepared(accelerator: Any) -> None:
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__module__}."
                         f"{type(accelerator).__qualname__}")
-    models, optimizers = list(accelerator._models), list(accelerator._optimizers)
+    models, optimizers = compat.models(accelerator), compat.optimizers(accelerator)
     if not models and not optimizers:
         raise AcceleratePreparationError(
             "lm-resiliency was attached to an Accelerator before accelerator.prepare(): nothing is prepared "
@@ -296,7 +293,7 @@ def trackable(accelerator: Any) -> List[Any]:
     from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
 
     loaders = []
-    for dl in accelerator._dataloaders:
+    for dl in compat.dataloaders(accelerator):
         if isinstance(dl, (DataLoaderShard, DataLoaderDispatcher)):
             loaders.append(dl)
         else:
@@ -327,19 +324,18 @@ class AccelerateLoopState:
             self._micro_step = int(self.accelerator.step)
             callbacks.after_optimizer_step()
 
-        return StepCallbacks(callbacks.before_optimizer_step, after_optimizer_step, callbacks.before_forward,
-                             callbacks.skipped_optimizer_step)
+        return dataclasses.replace(callbacks, after_optimizer_step=after_optimizer_step)
 
     def state(self) -> Dict[str, Any]:
         acc = self.accelerator
         state: Dict[str, Any] = {
-            "schedulers": [s.state_dict() for s in acc._schedulers],
+            "schedulers": [s.state_dict() for s in compat.schedulers(acc)],
             "dataloaders": [dict(p) for p in self._positions],
             "accelerate": {"step": self._micro_step,
                            "gradient_accumulation_steps": int(acc.gradient_accumulation_steps),
                            "num_processes": int(acc.num_processes),
                            "save_iteration": int(acc.project_configuration.iteration)},
-            "custom_objects": [obj.state_dict() for obj in acc._custom_objects],
+            "custom_objects": [obj.state_dict() for obj in compat.custom_objects(acc)],
         }
         if getattr(acc, "scaler", None) is not None:
             state["scaler"] = acc.scaler.state_dict()
@@ -347,8 +343,8 @@ class AccelerateLoopState:
 
     def load(self, state: Dict[str, Any]) -> None:
         acc = self.accelerator
-        for what, live in (("schedulers", acc._schedulers), ("dataloaders", self.trackers),
-                           ("custom_objects", acc._custom_objects)):
+        for what, live in (("schedulers", compat.schedulers(acc)), ("dataloaders", self.trackers),
+                           ("custom_objects", compat.custom_objects(acc))):
             if len(state[what]) != len(live):
                 raise ValueError(f"the recovered checkpoint has {len(state[what])} {what.replace('_', ' ')}, "
                                  f"this Accelerator has {len(live)} prepared/registered; resume with the same "
@@ -363,9 +359,9 @@ class AccelerateLoopState:
         if int(meta["gradient_accumulation_steps"]) != int(acc.gradient_accumulation_steps):
             logger.warning("lm-resiliency: gradient_accumulation_steps changed from %s to %s since the capture",
                            meta["gradient_accumulation_steps"], acc.gradient_accumulation_steps)
-        for scheduler, saved in zip(acc._schedulers, state["schedulers"]):
+        for scheduler, saved in zip(compat.schedulers(acc), state["schedulers"]):
             scheduler.load_state_dict(saved)
-        for obj, saved in zip(acc._custom_objects, state["custom_objects"]):
+        for obj, saved in zip(compat.custom_objects(acc), state["custom_objects"]):
             obj.load_state_dict(saved)
         if "scaler" in state:
             acc.scaler.load_state_dict(state["scaler"])
@@ -424,7 +420,7 @@ class AccelerateAdapter(_LoopStateMixin, PyTorchAdapter):
                 "engine must be hooked instead (AccelerateDeepSpeedAdapter; ResiliencyPlugin.attach picks it)")
         if kind in ("MEGATRON_LM", "XLA"):
             raise AcceleratePreparationError(f"Accelerate distributed type {kind} is not supported by lm-resiliency")
-        model = accelerator._models[0]
+        model = compat.models(accelerator)[0]
         if kind == "FSDP":
             from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -433,10 +429,9 @@ class AccelerateAdapter(_LoopStateMixin, PyTorchAdapter):
                     "Accelerate FSDP1 (FullyShardedDataParallel wrapper) is not supported; use FSDP2 "
                     "(FullyShardedDataParallelPlugin(fsdp_version=2)), whose DTensor shards GEMINI captures per rank")
         loop = AccelerateLoopState(accelerator, resume_dataloaders)
-        wrapped = accelerator._optimizers[0]
+        wrapped = compat.optimizers(accelerator)[0]
         optimizer = getattr(wrapped, "optimizer", wrapped)
-        super().__init__(model, optimizer, device=accelerator.device,
-                         skip_replication_if_hsdp=skip_replication_if_hsdp)
+        super().__init__(model, optimizer, skip_replication_if_hsdp=skip_replication_if_hsdp)
         self.accelerator = accelerator
         self.accelerated_optimizer = wrapped
         self.loop = loop
@@ -475,7 +470,7 @@ class AccelerateDeepSpeedAdapter(_LoopStateMixin, DeepSpeedAdapter):
                 f"AccelerateDeepSpeedAdapter needs an Accelerator with a DeepSpeedPlugin; this one is "
                 f"{_distributed_type(accelerator)} (use AccelerateAdapter)")
         loop = AccelerateLoopState(accelerator, resume_dataloaders)
-        super().__init__(accelerator._models[0], hooks=hooks)
+        super().__init__(compat.models(accelerator)[0], hooks=hooks)
         self.accelerator = accelerator
         self.loop = loop
 

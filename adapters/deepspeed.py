@@ -233,14 +233,7 @@ class DeepSpeedAdapter(HookFactoryAdapter):
             raise TypeError(f"DeepSpeed adapter: the ZeRO-{self.stage} optimizer {type(self.optimizer).__name__} "
                             "has no load_state_dict()")
         HookFactoryAdapter.__init__(self, hooks)
-        self.session: Any = None
         self.recovered_step: Optional[int] = None  # set when GEMINI state was loaded into the engine
-
-    # ----------------------------------------------------------- session link
-
-    def bind_session(self, session: Any) -> None:
-        """The session whose `step_count` follows `engine.global_steps` (see callbacks.deepspeed)."""
-        self.session = session
 
     # --------------------------------------------------------------- topology
 

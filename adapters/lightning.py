@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
+from lm_resiliency.adapters import _lightning_compat as compat
 from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.adapters.pytorch import load_model_in_place, rewrap_optimizer_state
 from lm_resiliency.session import capture_rng, restore_rng
@@ -188,10 +189,9 @@ class LightningAdapter(FrameworkAdapter):
         if self._boundary is None:
             raise RuntimeError("Lightning adapter: a capture was started without a step boundary snapshot")
         trainer = self.trainer
-        call = importlib.import_module(f"{self.package}.trainer.call")
         state = dict(self._boundary)
         state["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
-        state["callbacks"] = call._call_callbacks_state_dict(trainer)
+        state["callbacks"] = compat.callbacks_state_dict(trainer, self.package)
         precision = trainer.precision_plugin
         state["precision"] = {type(precision).__qualname__: precision.state_dict()} if precision.state_dict() else {}
         datamodule = trainer.datamodule
@@ -239,27 +239,20 @@ class LightningAdapter(FrameworkAdapter):
         if self.restored is None:
             return
         trainer = self.trainer
-        connector = trainer._checkpoint_connector
-        connector._loaded_checkpoint = self.restored
+        compat.set_loaded_checkpoint(trainer, self.restored)
+
+        def superseded(checkpoint_path: Optional[str]) -> None:
+            if checkpoint_path:
+                logger.warning("lm-resiliency: GEMINI step %d supersedes ckpt_path=%s", self.restored_step,
+                               checkpoint_path)
+
         if trainer.strategy.restore_checkpoint_after_setup:
             # Lightning calls resume_start(ckpt_path) after on_fit_start: a ckpt_path the user passed
             # would replace the newer GEMINI state. Skip that one load.
-            def resume_from_gemini(checkpoint_path=None, weights_only=None):
-                del connector.resume_start  # back to the class method
-                if checkpoint_path:
-                    logger.warning("lm-resiliency: GEMINI step %d supersedes ckpt_path=%s", self.restored_step,
-                                   checkpoint_path)
-                connector._ckpt_path = None
-
-            connector.resume_start = resume_from_gemini
+            compat.skip_next_resume_start(trainer, superseded)
         else:
-            if connector._ckpt_path:
-                logger.warning("lm-resiliency: GEMINI step %d supersedes ckpt_path=%s", self.restored_step,
-                               connector._ckpt_path)
-                connector._ckpt_path = None
-            connector.restore_model()
-            connector.restore_datamodule()
-            connector.restore_callbacks()
+            superseded(compat.take_ckpt_path(trainer))
+            compat.restore_before_setup(trainer)
         logger.info("lm-resiliency: Lightning restores GEMINI step %d (%s)", self.restored_step, self.describe())
 
     def on_train_start(self) -> None:
@@ -267,7 +260,7 @@ class LightningAdapter(FrameworkAdapter):
         if self.restored is None:
             return
         trainer = self.trainer
-        trainer._checkpoint_connector.__dict__.pop("resume_start", None)  # if Lightning did not call it
+        compat.forget_resume_start(trainer)  # if Lightning did not call it
         if trainer.global_step != self.restored_step:
             raise RuntimeError(f"lm-resiliency: Lightning resumed at global_step {trainer.global_step}, but the "
                                f"recovered GEMINI state is step {self.restored_step}; refusing to continue")
@@ -280,8 +273,7 @@ class LightningAdapter(FrameworkAdapter):
         """Lightning repositions stateful dataloaders itself; plain ones restart their epoch, so the
         batches this epoch already trained on are drawn again and discarded."""
         fit_loop = self.trainer.fit_loop
-        combined = fit_loop._combined_loader
-        fetcher = fit_loop._data_fetcher
+        combined, fetcher = compat.training_fetch(self.trainer)
         if combined is None or fetcher is None:
             return
         loaders = list(combined.flattened)
@@ -295,10 +287,8 @@ class LightningAdapter(FrameworkAdapter):
         if fetcher.length is None:
             raise RuntimeError("lm-resiliency: resuming mid-epoch needs a training dataloader with a length or a "
                                "stateful one (state_dict/load_state_dict); this one has neither")
-        data = importlib.import_module("lightning.fabric.utilities.data"
-                                       if self.package == "lightning.pytorch" else "lightning_fabric.utilities.data")
         for loader in loaders:  # the epoch's shuffle order must be the one in effect before the crash
-            data._set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+            compat.set_sampler_epoch(self.package, loader, fit_loop.epoch_progress.current.processed)
         for _ in range(skip):
             next(fetcher.iterator)
         # Lightning warns next that a plain dataloader cannot resume mid-epoch; it now has.

@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency._torch_compat import root_mesh
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
+from lm_resiliency.wrappers import find_ddp, unwrap_model
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "device",
-                               "process_group", "scaler"})
+SUPPORTED_OPTIONS = frozenset({"scheduler", "parallelism_info", "group", "nccl_group", "scaler"})
 
 
 def _dtensor_type():
@@ -44,32 +44,6 @@ def _dtensor_type():
 def _is_dtensor(value: Any) -> bool:
     cls = _dtensor_type()
     return cls is not None and isinstance(value, cls)
-
-
-def _is_compiled_wrapper(module: nn.Module) -> bool:
-    # torch.compile loads torch._dynamo; a process that never imported it holds no OptimizedModule.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
-
-
-def _wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
-    """`model`, then each module it wraps through DDP (`module`) and torch.compile (`_orig_mod`)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        yield model
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif _is_compiled_wrapper(model):
-            model = model._orig_mod
-        else:
-            return
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module whose state_dict keys are the user's: DDP adds `module.`, torch.compile `_orig_mod.`."""
-    *_, inner = _wrapper_chain(model)
-    return inner
 
 
 def check_optimizer_owns_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -130,13 +104,36 @@ def rewrap_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, An
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
+def check_detection_groups(group: Any, nccl_group: Any) -> None:
+    """`group`/`nccl_group`: this rank's SCOUT peers as a Gloo group (SCOUT's exchanges and
+    replay comparisons run on it) and the device group over the same ranks. ValueError unless
+    both are process groups over the same ranks, including this one, and `group` is Gloo."""
+    for name, value in (("group", group), ("nccl_group", nccl_group)):
+        if value is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns off its ranks
+            raise ValueError(f"{name}= does not contain this rank ({dist.get_rank()}): pass the group of this "
+                             "rank's own SCOUT peers")
+        if not isinstance(value, dist.ProcessGroup):
+            raise TypeError(f"{name}= must be a torch.distributed process group, got {type(value).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("group=/nccl_group= need torch.distributed initialized; create them with "
+                         "dist.new_group on every rank first")
+    ranks, device_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(nccl_group)
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"group= (ranks {ranks}) does not contain this rank ({dist.get_rank()}): pass the "
+                         "group of this rank's own SCOUT peers")
+    if sorted(device_ranks) != sorted(ranks):
+        raise ValueError(f"group= (ranks {ranks}) and nccl_group= (ranks {device_ranks}) must hold the same ranks")
+    if dist.get_backend(group) != dist.Backend.GLOO:
+        raise ValueError(f"group= must be a Gloo group (SCOUT's exchanges use CPU tensors), got "
+                         f"backend {dist.get_backend(group)!r}: create it with dist.new_group(ranks, backend='gloo')")
+
+
 class PyTorchAdapter(FrameworkAdapter):
     framework = "pytorch"
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  scheduler: Any = None, parallelism_info: Any = None,
                  group: Optional[dist.ProcessGroup] = None, nccl_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, process_group: Optional[dist.ProcessGroup] = None,
                  scaler: Optional[torch.amp.GradScaler] = None, skip_replication_if_hsdp: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PyTorch adapter: expected a torch.nn.Module, got {type(model).__name__}")
@@ -145,6 +142,8 @@ class PyTorchAdapter(FrameworkAdapter):
                             f"got {type(optimizer).__name__}")
         if (group is None) != (nccl_group is None):
             raise ValueError("pass both group= and nccl_group= (SCOUT detection groups) or neither")
+        if group is not None:
+            check_detection_groups(group, nccl_group)
         if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
             raise TypeError("scheduler= must have state_dict()/load_state_dict() (an LR scheduler)")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
@@ -159,16 +158,12 @@ class PyTorchAdapter(FrameworkAdapter):
         self._scaler_step: Optional[Callable[..., Any]] = None
         self.parallelism_info = parallelism_info
         self.group, self.nccl_group = group, nccl_group
-        self.device = device
-        self.process_group = process_group
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
-        from torch.nn.parallel import DistributedDataParallel
-
-        for wrapper in _wrapper_chain(model):  # DDP may sit inside or outside torch.compile
-            if isinstance(wrapper, DistributedDataParallel):
-                pin_bucket_layout(wrapper)  # one gradient bucket layout for fresh and resumed runs
+        ddp = find_ddp(model)  # DDP may sit inside or outside torch.compile
+        if ddp is not None:
+            pin_bucket_layout(ddp)  # one gradient bucket layout for fresh and resumed runs
 
     # --------------------------------------------------------------- topology
 
@@ -176,7 +171,7 @@ class PyTorchAdapter(FrameworkAdapter):
         # The root mesh: a TP-only or FSDP-only submesh describes just part of the layout.
         for param in self.module.parameters():
             if _is_dtensor(param):
-                return param.device_mesh._get_root_mesh()
+                return root_mesh(param.device_mesh)
         return None
 
     def topology(self) -> Topology:
@@ -207,17 +202,15 @@ class PyTorchAdapter(FrameworkAdapter):
             descriptor = {"kind": kind, "mesh_shape": shape, "mesh_dim_names": names,
                           "coordinate": list(mesh.get_coordinate() or [])}
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            ddp = any(isinstance(m, DistributedDataParallel) for m in _wrapper_chain(self.model))
+            ddp = find_ddp(self.model) is not None
             kind = "ddp" if ddp else (
                 "replicated" if distributed else "single")
             replicate, shard = (dist.get_world_size() if distributed else 1), 1
             descriptor = {"kind": kind}
         natural_replicas = kind == "hsdp" and replicate > 1 and self._skip_replication_if_hsdp
         descriptor.update({"dp_replicate": replicate, "dp_shard": shard})
-        return Topology(kind=kind, replicate=not natural_replicas, descriptor=descriptor)
+        return Topology(kind=kind, replicate=not natural_replicas, descriptor=descriptor, scout_group=self.group)
 
     # ------------------------------------------------------------------ state
 

@@ -99,12 +99,7 @@ class TorchTitanAdapter(HookFactoryAdapter):
                             "torchdata StatefulDataLoader, so its position cannot be captured")
         HookFactoryAdapter.__init__(self, hooks)
         self._boundary: Optional[Dict[str, Any]] = None
-        self.session: Any = None
         self.recovered_step: Optional[int] = None  # set when GEMINI state was loaded into the trainer
-
-    def bind_session(self, session: Any) -> None:
-        """The session whose `step_count` follows `trainer.step` (see callbacks.torchtitan)."""
-        self.session = session
 
     # --------------------------------------------------------------- topology
 

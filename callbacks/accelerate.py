@@ -38,6 +38,7 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
+from lm_resiliency.adapters import _accelerate_compat as compat
 from lm_resiliency.attach import AttachOptions, attach
 from lm_resiliency.config import DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig, ResiliencyPolicy
 from lm_resiliency.recovery import RecoveryMode
@@ -108,12 +109,12 @@ class ResiliencyPlugin:
         options = self.options
         if uses_deepspeed(accelerator):
             from lm_resiliency.adapters.deepspeed import with_config_section
-            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks, recover_bound
+            from lm_resiliency.callbacks.deepspeed import DeepSpeedEngineHooks
 
-            options = with_config_section(accelerator._models[0], options)
+            options = with_config_section(compat.models(accelerator)[0], options)
             adapter: Any = AccelerateDeepSpeedAdapter(accelerator, hooks=DeepSpeedEngineHooks,
                                                       resume_dataloaders=self.resume_dataloaders)
-            session = attach(adapter, options, recover=recover_bound(adapter))
+            session = attach(adapter, options)
         else:
             adapter = AccelerateAdapter(accelerator, resume_dataloaders=self.resume_dataloaders,
                                         skip_replication_if_hsdp=options.config.skip_replication_if_hsdp)
@@ -213,7 +214,7 @@ class _FlagAttachment:
             if tracker.before_iteration is None:
                 tracker.before_iteration = self.trigger
                 self._trackers.append(tracker)
-        for model in accelerator._models:
+        for model in compat.models(accelerator):
             if id(model) not in self._hooked_models and hasattr(model, "register_forward_pre_hook"):
                 self._hooked_models.add(id(model))
                 self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.trigger()))

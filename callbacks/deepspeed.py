@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lm_resiliency.adapter import StepCallbacks
 from lm_resiliency.adapters.deepspeed import SUPPORTED_OPTIONS, DeepSpeedAdapter, with_config_section
@@ -61,11 +61,13 @@ class DeepSpeedEngineHooks:
             if name in vars(engine):
                 raise RuntimeError(f"engine.{name} is already wrapped on this engine instance (is another "
                                    "lm-resiliency session attached? close() it first)")
-        if callbacks.skipped_optimizer_step is None:
-            raise TypeError("DeepSpeed engine hooks need a session that handles skipped (overflow) optimizer steps")
+        if callbacks.skipped_optimizer_step is None or callbacks.session is None:
+            raise TypeError("DeepSpeed engine hooks need a session that handles skipped (overflow) optimizer steps "
+                            "and hands over its step count (StepCallbacks.session)")
         self.adapter = adapter
         self.engine = engine
         self.callbacks = callbacks
+        self.session = callbacks.session
         self.managed_steps = 0
         self._original_step = engine.step
         self._original_load = engine.load_checkpoint
@@ -86,27 +88,20 @@ class DeepSpeedEngineHooks:
             return True  # unmanaged accumulation: every step() call is the caller-owned boundary
         return bool(engine.is_gradient_accumulation_boundary())
 
-    def _session(self) -> Any:
-        session = self.adapter.session
-        if session is None:
-            raise RuntimeError("the DeepSpeed adapter is not bound to a ResiliencySession; build it with "
-                               "enable_resiliency(engine, ...) or call adapter.bind_session(session)")
-        return session
-
     def _align_counter(self) -> None:
-        """Before a managed step: session.step_count must equal engine.global_steps."""
-        session = self._session()
+        """Before a managed step: the session's step count must equal engine.global_steps."""
+        session = self.session
         global_steps = int(self.engine.global_steps)
-        if session.step_count == global_steps:
+        if session.step_count() == global_steps:
             return
-        if self.managed_steps == 0 and self.adapter.recovered_step is None and session.step_count == 0:
+        if self.managed_steps == 0 and self.adapter.recovered_step is None and session.step_count() == 0:
             # Generation zero: the engine's counters were restored by the application's own loader.
             logger.info("lm-resiliency: step_count seeded from engine.global_steps=%d", global_steps)
             session.continue_from(global_steps)
             return
         raise RuntimeError(
             f"lm-resiliency: engine.global_steps is {global_steps} but the resiliency step count is "
-            f"{session.step_count}; the engine's step counter was changed outside engine.step() (or a load_fallback "
+            f"{session.step_count()}; the engine's step counter was changed outside engine.step() (or a load_fallback "
             "returned a step that disagrees with the engine). Restore DeepSpeed state with engine.load_checkpoint() "
             "before the first step, or let GEMINI recover it.")
 
@@ -139,7 +134,7 @@ class DeepSpeedEngineHooks:
     # ------------------------------------------------------- load_checkpoint
 
     def _load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        session = self._session()
+        session = self.session
         if self.adapter.recovered_step is not None:
             raise RuntimeError(
                 f"engine.load_checkpoint() refused: lm-resiliency restored this engine from GEMINI step "
@@ -150,7 +145,7 @@ class DeepSpeedEngineHooks:
         if self.managed_steps > 0:
             raise RuntimeError(
                 f"engine.load_checkpoint() refused: resiliency-managed training already ran {self.managed_steps} "
-                f"optimizer step(s) (step {session.step_count}); loading a DeepSpeed checkpoint now would replace "
+                f"optimizer step(s) (step {session.step_count()}); loading a DeepSpeed checkpoint now would replace "
                 "state GEMINI has been capturing. Load it before the first engine.step(), or close() the session "
                 "first.")
         result = self._original_load(*args, **kwargs)
@@ -158,7 +153,7 @@ class DeepSpeedEngineHooks:
         if load_path is not None:
             session.continue_from(int(self.engine.global_steps))
             logger.info("lm-resiliency: DeepSpeed checkpoint %s loaded before the first managed step; step_count "
-                        "seeded from engine.global_steps=%d", load_path, session.step_count)
+                        "seeded from engine.global_steps=%d", load_path, session.step_count())
         return result
 
     # ---------------------------------------------------------------- destroy
@@ -167,11 +162,8 @@ class DeepSpeedEngineHooks:
         """engine.destroy() is the engine's teardown: the session completes its last capture and stops
         its threads first, while the process groups still exist."""
         original = self._original_destroy
-        session = self.adapter.session
-        if session is None:
-            return original(*args, **kwargs)
         try:
-            session.close()  # removes these hooks too; raises if the final flush failed
+            self.session.close()  # removes these hooks too; raises if the final flush failed
         finally:
             result = original(*args, **kwargs)
         return result
@@ -202,23 +194,13 @@ def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = 
     return DeepSpeedAdapter(engine, hooks=DeepSpeedEngineHooks)
 
 
-def recover_bound(adapter: DeepSpeedAdapter) -> Callable[[ResiliencySession], None]:
-    """`attach`'s recover step for a DeepSpeed adapter: bind the session first (its step_count
-    follows engine.global_steps; the load_checkpoint guard reads it), then recover."""
-    def recover(session: ResiliencySession) -> None:
-        adapter.bind_session(session)
-        session.recover()
-
-    return recover
-
-
 def attach_engine(engine: Any, options: AttachOptions, optimizer: Any = None,
                   framework_options: Optional[dict] = None) -> ResiliencySession:
     """Attach to a DeepSpeed engine; `enable_resiliency` dispatches DeepSpeed engines here. The
     engine config's optional "lm_resiliency" section fills the arguments left unset."""
     options = with_config_section(engine, options)
     adapter = build_adapter(engine, optimizer, framework_options)
-    return attach(adapter, options, recover=recover_bound(adapter))
+    return attach(adapter, options)
 
 
 def register_resiliency_hooks(engine: Any, **kwargs: Any) -> ResiliencySession:
@@ -231,4 +213,4 @@ def register_resiliency_hooks(engine: Any, **kwargs: Any) -> ResiliencySession:
     return attach_engine(engine, options, optimizer, rest)
 
 
-__all__ = ["DeepSpeedEngineHooks", "attach_engine", "build_adapter", "recover_bound", "register_resiliency_hooks"]
+__all__ = ["DeepSpeedEngineHooks", "attach_engine", "build_adapter", "register_resiliency_hooks"]

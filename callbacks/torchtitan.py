@@ -75,7 +75,10 @@ class TorchTitanTrainerHooks:
         self.adapter = adapter
         self.trainer = adapter.trainer
         self.checkpointer = checkpointer
+        if callbacks.session is None:
+            raise TypeError("TorchTitan trainer hooks need the session's step count (StepCallbacks.session)")
         self.callbacks = callbacks
+        self.session = callbacks.session
         self.managed_steps = 0
         self._originals = {name: getattr(checkpointer, name) for name in _WRAPPED}
         for name in _WRAPPED:
@@ -83,53 +86,46 @@ class TorchTitanTrainerHooks:
         self._forward_handle = adapter.model_parts[0].register_forward_pre_hook(
             lambda module, args: callbacks.before_forward(), prepend=True)
 
-    def _session(self) -> Any:
-        session = self.adapter.session
-        if session is None:
-            raise RuntimeError("the TorchTitan adapter is not bound to a ResiliencySession; build it with "
-                               "enable_resiliency(trainer, ...)")
-        return session
-
     # ------------------------------------------------------------------ step
 
     def _maybe_wait_for_staging(self, *args: Any, **kwargs: Any) -> Any:
-        session = self._session()
+        session = self.session
         # train() increments trainer.step before train_step(): the coming step is trainer.step.
-        if session.step_count != int(self.trainer.step) - 1:
+        if session.step_count() != int(self.trainer.step) - 1:
             raise RuntimeError(
                 f"lm-resiliency: trainer.step is {self.trainer.step} but the resiliency step count is "
-                f"{session.step_count}; the trainer's step counter was changed outside train(). Restore state "
+                f"{session.step_count()}; the trainer's step counter was changed outside train(). Restore state "
                 "with trainer.checkpointer.load() (train() does) or let GEMINI recover it.")
         self.callbacks.before_optimizer_step()
         return self._originals["maybe_wait_for_staging"](*args, **kwargs)
 
     def _save(self, curr_step: int, *args: Any, **kwargs: Any) -> Any:
-        session = self._session()
-        if int(curr_step) == session.step_count + 1 == int(self.trainer.step):
+        session = self.session
+        if int(curr_step) == session.step_count() + 1 == int(self.trainer.step):
             self.adapter.snapshot_boundary()
             self.managed_steps += 1
             self.callbacks.after_optimizer_step()  # step_count -> trainer.step; GEMINI capture if due
-        elif int(curr_step) != session.step_count:
-            raise RuntimeError(f"lm-resiliency: checkpointer.save({curr_step}) after step {session.step_count}; "
+        elif int(curr_step) != session.step_count():
+            raise RuntimeError(f"lm-resiliency: checkpointer.save({curr_step}) after step {session.step_count()}; "
                                "expected one save per optimizer step, called by Trainer.train()")
         return self._originals["save"](curr_step, *args, **kwargs)
 
     # ------------------------------------------------------------------ load
 
     def _load(self, step: int = -1, *args: Any, **kwargs: Any) -> Any:
-        session = self._session()
+        session = self.session
         recovered = self.adapter.recovered_step
         if self.managed_steps > 0:
             raise RuntimeError(
                 f"trainer.checkpointer.load() refused: resiliency-managed training already ran {self.managed_steps} "
-                f"step(s) (step {session.step_count}); a durable load now would replace the state GEMINI has been "
+                f"step(s) (step {session.step_count()}); a durable load now would replace the state GEMINI has been "
                 "capturing. Load before training starts, or close() the session first.")
         if recovered is None:
             loaded = self._originals["load"](step, *args, **kwargs)
             if loaded:
                 session.continue_from(int(self.trainer.step))
                 logger.info("lm-resiliency: no GEMINI state; TorchTitan loaded its own checkpoint, step_count "
-                            "seeded from trainer.step=%d", session.step_count)
+                            "seeded from trainer.step=%d", session.step_count())
             return loaded
         durable = latest_durable_step(self.checkpointer)
         if int(step) != -1 or (durable is not None and durable > recovered):
@@ -151,11 +147,8 @@ class TorchTitanTrainerHooks:
     def _close(self, *args: Any, **kwargs: Any) -> Any:
         """trainer.close(): the session completes its last capture and stops its threads first."""
         original = self._originals["close"]
-        session = self.adapter.session
-        if session is None:
-            return original(*args, **kwargs)
         try:
-            session.close()  # removes these hooks too
+            self.session.close()  # removes these hooks too
         finally:
             result = original(*args, **kwargs)
         return result
@@ -188,14 +181,8 @@ def build_adapter(trainer: Any, optimizer: Any = None, options: Optional[dict] =
 def attach_trainer(trainer: Any, options: AttachOptions, optimizer: Any = None,
                    framework_options: Optional[dict] = None) -> ResiliencySession:
     """Attach to an initialized TorchTitan Trainer; `enable_resiliency` dispatches trainers here.
-    The session is bound to the adapter before recovery (its step_count follows `trainer.step`)."""
-    adapter = build_adapter(trainer, optimizer, framework_options)
-
-    def recover(session: ResiliencySession) -> None:
-        adapter.bind_session(session)
-        session.recover()
-
-    return attach(adapter, options, recover=recover)
+    The hooks read the session's step count (it follows `trainer.step`) through StepCallbacks.session."""
+    return attach(build_adapter(trainer, optimizer, framework_options), options)
 
 
 __all__ = ["TorchTitanTrainerHooks", "attach_trainer", "build_adapter", "latest_durable_step"]

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from resiliency_demo.cli import main  # noqa: E402  (the package directory beside this script)
+from resiliency_demo.cli import main  # (the package directory beside this script)
 
 if __name__ == "__main__":
     sys.exit(main())

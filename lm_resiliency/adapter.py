@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 
+@dataclass(frozen=True)
+class SessionControls:
+    """The session's public methods a surface's hooks may call, handed to them at install (no
+    session object, no adapter pointing back at the session): for frameworks that keep their own
+    step counter (DeepSpeed `global_steps`, TorchTitan `trainer.step`) and teardown."""
+
+    step_count: Callable[[], int]                   # optimizer steps completed
+    continue_from: Callable[[int], None]            # the framework loaded its own checkpoint at step N
+    keep_state_for_relaunch: Callable[[], None]     # this launch ends abnormally: keep host slots
+    close: Callable[[], None]
+
+
 @dataclass
 class StepCallbacks:
     """What the session wants to hear from the framework lifecycle."""
@@ -20,6 +32,7 @@ class StepCallbacks:
     before_forward: Callable[[], None]
     # A step boundary whose optimizer.step() was skipped (AMP gradient overflow): it still counts.
     skipped_optimizer_step: Optional[Callable[[], None]] = None
+    session: Optional[SessionControls] = None
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,9 @@ class Topology:
     kind: str                          # "single", "ddp", "fsdp2", "hsdp", ...
     replicate: bool = True             # False: natural replicas make GEMINI peer copies redundant
     descriptor: Dict[str, Any] = field(default_factory=dict)  # JSON, part of the topology fingerprint
+    # The user's SCOUT peer group on this rank (Gloo), instead of the groups SCOUT derives from
+    # the descriptor; None: derived.
+    scout_group: Any = None
 
 
 class FrameworkAdapter:

@@ -1,5 +1,8 @@
-"""Configuration objects (every field validated at construction; errors name the field), and the one
-parser of the `LM_RESILIENCY*` environment and its policy files (`ResiliencyPolicy`)."""
+"""GEMINI's `InMemoryCkptConfig` (every field validated at construction; errors name the field) and
+the one reader of every `LM_RESILIENCY*` variable: the opt-in policy (`ResiliencyPolicy`, with its
+policy files and the DeepSpeed config section, `read_settings`) and the variables read whatever
+LM_RESILIENCY says (`env_run_id`, `env_keep_shared_memory`, `env_resume_step`). SCOUT's
+`ReplayHarnessConfig` is `scout/config.py`."""
 
 from __future__ import annotations
 
@@ -177,6 +180,10 @@ class ResiliencyPolicy:
     LM_RESILIENCY_DATALOADER_RESUME    Accelerate only: auto, continue or manual
     LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
 
+    Read whatever LM_RESILIENCY says (`env_run_id`, `env_keep_shared_memory`, `env_resume_step`):
+    LM_RESILIENCY_RUN_ID, LM_RESILIENCY_KEEP_SHARED_MEMORY (1: keep shared-memory slots at close)
+    and LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP (the fault kit's resume step).
+
     A policy file (`.toml`, or `.json` with the same structure) is strict and versioned:
     `schema_version = 1` plus any of `SETTINGS_KEYS`; variables that are set override it.
     """
@@ -275,6 +282,31 @@ class ResiliencyPolicy:
             if not getattr(self, key):
                 arguments[key] = False
         return arguments
+
+
+# Variables read whether or not LM_RESILIENCY is on: by GEMINI (run identity, keeping shared
+# memory across a planned stop) and by the fault kit (the step a relaunch resumes after).
+RUN_ID_ENV = "LM_RESILIENCY_RUN_ID"
+KEEP_SHARED_MEMORY_ENV = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
+RESUME_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
+
+
+def env_run_id(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """LM_RESILIENCY_RUN_ID as set (None when unset); GEMINI's identity rules judge the value."""
+    return (os.environ if environ is None else environ).get(RUN_ID_ENV)
+
+
+def env_keep_shared_memory(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """LM_RESILIENCY_KEEP_SHARED_MEMORY: unset, empty or 0/false/no/off keep nothing; any other
+    value keeps the shared-memory slots (read while closing, so it never raises)."""
+    text = (os.environ if environ is None else environ).get(KEEP_SHARED_MEMORY_ENV, "").strip()
+    return text.lower() not in ("",) + _OFF
+
+
+def env_resume_step(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP: the optimizer steps a relaunch already completed
+    (None when unset or empty); ConfigError naming the variable for anything but digits."""
+    return _env_int(os.environ if environ is None else environ, RESUME_STEP_ENV, 0)
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> Optional[int]:

@@ -9,10 +9,14 @@ import logging
 import os
 import re
 import secrets
+import stat
 from itertools import accumulate
 from typing import Any, BinaryIO, Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _reject_constant(name: str) -> Any:
@@ -78,8 +82,7 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
     `temp_name`, or a random name; it is removed when anything fails before the rename."""
     directory = os.path.dirname(os.path.abspath(path))
     temp = os.path.join(directory, temp_name or f".{os.path.basename(path)}.tmp-{secrets.token_hex(8)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600)
     published = False
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
@@ -100,3 +103,55 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     fsync_dir(directory)
+
+
+def open_owned(path: str, what: str, reject: Callable[[str], Exception], *, flags: int = os.O_RDONLY,
+               dir_fd: Optional[int] = None, shown: Optional[str] = None, uid: Optional[int] = None,
+               forbidden_mode: int = 0) -> Optional[int]:
+    """Open `path` (relative to `dir_fd` when given) as a regular file this process owns, never
+    following a symbolic link; None when it does not exist. The fd is returned blocking.
+
+    Refused with `reject(message)` (the message starts with `shown`, default `path`, and `what`):
+    a symbolic link, anything but a regular file, a file owned by another uid (default: the
+    effective uid), a mode with any `forbidden_mode` bit set, or a stat/open that fails. Checked
+    before the open and again on the open fd, so a file swapped in between is refused too."""
+    shown = path if shown is None else shown
+    uid = os.geteuid() if uid is None else uid
+
+    def check(st: os.stat_result) -> None:
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            reason = "is a symbolic link; refusing to follow it"
+        elif not stat.S_ISREG(st.st_mode):  # opening a FIFO would block until a writer appears
+            reason = "is not a regular file; refusing to open it"
+        elif st.st_uid != uid:
+            reason = f"is owned by uid {st.st_uid}, not by this process (uid {uid}); refusing to open it"
+        elif mode & forbidden_mode:
+            reason = f"has mode {mode:o}; expected {0o666 & ~forbidden_mode:04o} at most; refusing to open it"
+        else:
+            return
+        raise reject(f"{shown}: {what} {reason}")
+
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise reject(f"{shown}: cannot stat {what}: {exc}") from exc
+    check(st)
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the stat is opened without waiting, then refused.
+        fd = os.open(path, flags | os.O_NONBLOCK | NOFOLLOW | CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise reject(f"{shown}: {what} is a symbolic link; refusing to follow it") from exc
+        raise reject(f"{shown}: cannot open {what}: {exc}") from exc
+    try:
+        check(os.fstat(fd))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

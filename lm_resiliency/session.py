@@ -8,6 +8,9 @@ Lifecycle of a capture at optimizer step k (k a multiple of `interval`):
   before optimizer step k+1 -> wait for the copy (GEMINI's maybe_wait)
 The capture is also completed at `flush_for_restart()`, `close()` and interpreter exit, so
 the last step of a run is never left half-captured.
+
+Why one module of this size: the step lifecycle (capture cadence, SCOUT before GEMINI, recovery
+order) is one state machine whose ordering rules must be read together.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_ch
 import torch
 import torch.distributed as dist
 
+from lm_resiliency._values import is_int
 from lm_resiliency import wire
-from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, check_extra_state
+from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
@@ -132,7 +136,7 @@ class ResiliencySession:
             if enable_detection:
                 model, optimizer = adapter.replay_targets()
                 self.scout = ScoutHarness(model, optimizer, self.replay_config, on_oob_report=self._on_oob_report,
-                                          topology=topology.descriptor)
+                                          topology=topology.descriptor, peer_group=topology.scout_group)
                 if self.manager is not None:
                     self.scout.exclude_groups(self.manager.process_group)
             if self.manager is not None and self.scout is not None and self.scout.detector is not None:
@@ -147,12 +151,14 @@ class ResiliencySession:
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
                                  "accepted replay check at each checkpoint boundary)")
+            controls = SessionControls(lambda: self.step_count, self.continue_from, self.keep_state_for_relaunch,
+                                       self.close)
             adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
-                                          self._before_forward, self._skipped_optimizer_step))
+                                          self._before_forward, self._skipped_optimizer_step, controls))
         except BaseException:
             try:
                 self.close()
-            except Exception:  # noqa: BLE001 - the construction error is the one to raise
+            except Exception:  # the construction error is the one to raise
                 logger.exception("lm-resiliency: close() after a failed start also failed")
             raise
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -197,7 +203,7 @@ class ResiliencySession:
             with self.checkpoint_io("read", name="load_fallback"):
                 result = self._load_fallback()
             self.recovered_from = "fallback"
-            if isinstance(result, int) and not isinstance(result, bool):
+            if is_int(result):
                 self.step_count = result
                 self._announce(f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}")
             else:
@@ -613,6 +619,6 @@ def _close_at_exit(ref: "weakref.ReferenceType") -> None:
     if session is not None:
         try:
             session.close()
-        except Exception:  # noqa: BLE001 - nobody is left to raise it to
+        except Exception:  # nobody is left to raise it to
             logger.exception("lm-resiliency: close() at interpreter exit failed; the last capture or "
                              "flush may be missing")

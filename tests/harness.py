@@ -64,7 +64,7 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, init_file: Opt
                                     world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         payload = ("ok", result)
-    except BaseException:  # noqa: BLE001 - any child failure must reach the test
+    except BaseException:  # any child failure must reach the test
         payload = ("error", traceback.format_exc())
         code = 1
     try:

@@ -1,4 +1,5 @@
-"""Small file primitives: an fcntl lock with a bounded wait, atomic replace, directory fsync."""
+"""An fcntl lock with a bounded wait, for the fault kit's shared campaign state. Atomic replace,
+directory fsync and owned-file opens are `lm_resiliency.files`."""
 
 from __future__ import annotations
 

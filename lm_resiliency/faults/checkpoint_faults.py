@@ -15,7 +15,7 @@ import struct
 import zipfile
 from typing import Any, Dict, List, Optional, Tuple
 
-from lm_resiliency.files import fsync_dir
+from lm_resiliency.files import fsync_dir, open_owned
 
 _OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
 _PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")
@@ -86,6 +86,14 @@ def payload_region(path: str) -> Optional[Tuple[int, int, str]]:
         return None
 
 
+def _open_shard(path: str) -> int:
+    """The shard open for writing; never through a link, only a regular file this user owns."""
+    fd = open_owned(path, "GEMINI file", PermissionError, flags=os.O_RDWR)
+    if fd is None:
+        raise FileNotFoundError(f"{path}: no such GEMINI file to corrupt")
+    return fd
+
+
 def flip_bytes(path: str, *, seed: int, offset: Optional[int] = None, count: int = 1) -> Dict[str, Any]:
     """XOR `count` bytes at `offset` with 0xFF, in place, fsynced.
 
@@ -93,7 +101,7 @@ def flip_bytes(path: str, *, seed: int, offset: Optional[int] = None, count: int
     bytes that bit rot or a bad DMA would hit; GEMINI detects it only with verify_integrity
     (CRC-32), exactly as in production. A non-zip file gets a seeded position anywhere."""
     region = payload_region(path) if offset is None else None
-    fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = _open_shard(path)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
@@ -126,7 +134,7 @@ def truncate(path: str, *, keep_fraction: Optional[float] = None,
         keep_bytes = int(size * (0.5 if keep_fraction is None else keep_fraction))
     if keep_bytes >= size:
         raise ValueError(f"{path} has {size} bytes; truncating to {keep_bytes} would not shorten it")
-    fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = _open_shard(path)
     try:
         os.ftruncate(fd, keep_bytes)
         os.fsync(fd)

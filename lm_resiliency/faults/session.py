@@ -7,6 +7,9 @@ module's first forward of each iteration, and batches of a wrapped data loader. 
 claimed in the campaign state store right before its first fault is performed, so a worker that
 stops between arming and the matching call leaves it to its successor. Every execution becomes a
 `FaultInjectionRecord` in the campaign journal. The training loop is not changed.
+
+Why one module of this size: the injection session's hooks, activation rules and records share
+one per-iteration state.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
+from lm_resiliency.config import ConfigError, env_resume_step
+
 from .campaign import FaultCampaign, FaultIncident, FaultSpec
 from .corruption import derive_seed
 from .errors import InjectedFault, UnsupportedFaultError
@@ -39,7 +44,6 @@ from .taxonomy import FailureType, FaultSurface, SafetyClass
 
 logger = logging.getLogger(__name__)
 
-RESUME_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
 GENERATION_ENV = "TORCHELASTIC_RESTART_COUNT"
 WALL_CLOCK_ORIGIN_KEY = "wall_clock_origin"
 
@@ -124,11 +128,10 @@ class FaultInjectionSession:
             raise ValueError(f"enable_fault_injection: world_size must be an int greater than rank "
                              f"{self._rank}, got {self._world_size!r}")
         if start_iteration is None:
-            text = os.environ.get(RESUME_STEP_ENV, "") or "0"
-            if not text.isdigit():
-                raise ValueError(f"enable_fault_injection: ${RESUME_STEP_ENV} must be a non-negative "
-                                 f"integer, got {text!r}")
-            start_iteration = int(text)
+            try:
+                start_iteration = env_resume_step() or 0
+            except ConfigError as exc:
+                raise ConfigError(f"enable_fault_injection: {exc}") from None
         if not isinstance(start_iteration, int) or start_iteration < 0:
             raise ValueError(f"enable_fault_injection: start_iteration must be a non-negative int (the "
                              f"number of optimizer steps already completed), got {start_iteration!r}")

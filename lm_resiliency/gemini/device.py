@@ -2,7 +2,9 @@
 
 On CPU a capture copies in the background worker. On CUDA the training thread only
 enqueues non-blocking copies on a side stream into pinned memory and records an event;
-the worker waits on that event. Everything CUDA-specific lives here.
+the worker waits on that event. Elsewhere GEMINI touches CUDA only to page-lock and release
+shared-memory slots (`shm.py`, cudaHostRegister) and to count local GPUs for the replication
+layout (`replication.py`).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 
 from lm_resiliency import wire
+from lm_resiliency.config import RUN_ID_ENV, env_run_id
 
 logger = logging.getLogger(__name__)
 
-RUN_ID_ENV = "LM_RESILIENCY_RUN_ID"
 ELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 PLACEHOLDER_RUN_IDS = ("none",)
 FIX = ("set InMemoryCkptConfig(run_id=...) (ResiliencyCallback(run_id=...)), or LM_RESILIENCY_RUN_ID, to the "
@@ -69,7 +69,7 @@ def local_run_id(configured: Optional[str]) -> Tuple[Optional[str], str, List[st
     """(run id or None, its source, placeholder values that were skipped) from this process's
     configuration and environment."""
     skipped = []
-    for source, value in (("config", configured), (RUN_ID_ENV, os.environ.get(RUN_ID_ENV)),
+    for source, value in (("config", configured), (RUN_ID_ENV, env_run_id()),
                           (ELASTIC_RUN_ID_ENV, os.environ.get(ELASTIC_RUN_ID_ENV))):
         if value is None:
             continue

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from lm_resiliency._values import is_int
 from lm_resiliency.gemini.workers import BackgroundError
 from lm_resiliency.tensor_bytes import byte_windows
 
@@ -54,7 +55,7 @@ def checksum_problem(extra: Optional[dict], payload: torch.Tensor) -> Optional[s
                 "verify_integrity=True only checksummed captures are eligible")
     if (not isinstance(record, dict) or set(record) != {"chunk_bytes", "total_bytes", "crc32"}
             or not isinstance(record["crc32"], list)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in
+            or not all(is_int(v) for v in
                        [record["chunk_bytes"], record["total_bytes"], *record["crc32"]])
             or record["chunk_bytes"] < 1):
         return f"its capture checksum record is malformed: {record!r}"

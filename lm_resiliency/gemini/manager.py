@@ -9,6 +9,10 @@ Host slots live in node-owned shared memory by default (`InMemoryCkptConfig.host
 see shm.py): a worker that is SIGKILLed leaves its READY slots behind, and the next worker
 process of the same rank, run and topology on that node adopts them at construction, so
 `find_latest()` counts them as memory availability and `load()` never touches the disk.
+
+Why one module of this size: the manager owns the three workers and their ordering (capture
+before replication before flush); the pieces it delegates live in slots, replication, storage,
+shm and selection.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency import wire
-from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini import timeline
@@ -45,7 +49,6 @@ from lm_resiliency.gemini.workers import BackgroundError, Worker
 logger = logging.getLogger(__name__)
 
 _KEEP_GENERATIONS = 2
-KEEP_SHARED_ENV = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
 
 
 class RecoveryUnavailable(RuntimeError):
@@ -839,7 +842,7 @@ class InMemoryCheckpointManager:
             step = self.flush_now()
             logger.warning("GEMINI: uncaught %s: flushed step %d to %s", exc_type.__name__, step,
                            self.store.directory)
-        except Exception:  # noqa: BLE001 - the original exception must still be reported
+        except Exception:  # the original exception must still be reported
             logger.exception("GEMINI: flush on uncaught exception failed")
         self._previous_excepthook(exc_type, exc, tb)
 
@@ -847,12 +850,12 @@ class InMemoryCheckpointManager:
         try:
             step = self.flush_now()
             logger.warning("GEMINI: signal %d: flushed step %d to %s", signum, step, self.store.directory)
-        except Exception:  # noqa: BLE001 - the previous handler must still run
+        except Exception:  # the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
         try:
             self.close(keep_shared=True)
-        except Exception:  # noqa: BLE001 - the previous handler must still run
+        except Exception:  # the previous handler must still run
             logger.exception("GEMINI: close on signal %d failed", signum)
         if callable(previous):
             previous(signum, frame)
@@ -886,7 +889,7 @@ class InMemoryCheckpointManager:
         if self._closed:
             return
         if keep_shared is None:
-            keep_shared = self._keep_shared or os.environ.get(KEEP_SHARED_ENV, "") not in ("", "0")
+            keep_shared = self._keep_shared or env_keep_shared_memory()
         self._closed = True
         for signum, previous in self._previous_handlers.items():
             if signal.getsignal(signum) == self._on_signal:
@@ -930,7 +933,7 @@ class InMemoryCheckpointManager:
             return
         try:
             self.close(keep_shared=True)
-        except Exception:  # noqa: BLE001 - the exception leaving the with-block is the one to see
+        except Exception:  # the exception leaving the with-block is the one to see
             logger.exception("GEMINI: close() while handling %s failed", exc_type.__name__)
 
 
@@ -959,5 +962,5 @@ def _close_at_exit(ref: "weakref.ReferenceType") -> None:
     if manager is not None:
         try:
             manager.close()
-        except Exception:  # noqa: BLE001 - nobody is left to raise it to
+        except Exception:  # nobody is left to raise it to
             logger.exception("GEMINI: close() at interpreter exit failed; the last flush may be missing")

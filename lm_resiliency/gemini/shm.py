@@ -48,6 +48,9 @@ time); otherwise the arena is unavailable and the manager falls back to heap slo
 Memory is bounded: four slots per rank at most (`SLOT_NAMES`), each reserved with
 `posix_fallocate` so a full /dev/shm fails at allocation (heap fallback, warning) rather than
 with SIGBUS in the middle of a copy.
+
+Why one module of this size: the directory protocol (ownership, takeover, reaping, sidecars,
+page-locking) is security-critical and must be reviewed as one unit.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ import torch
 
 from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
-from lm_resiliency.files import loads_strict_json
+from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
@@ -90,8 +93,6 @@ _MAX_SIDECAR_BYTES = 512 * 1024 * 1024
 NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
 _RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 # Rank directories held by a live arena in this process (a same-process successor may adopt
 # a directory only after its predecessor arena closed).
@@ -870,29 +871,9 @@ class SharedSlotArena:
             os.close(fd)
 
     def _open_owned(self, name: str, what: str, mode: int) -> Optional[int]:
-        """Open a regular file of ours in the rank directory without following symlinks."""
-        path = os.path.join(self._dir, name)
-        try:
-            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        _check_private(st, what, path, self._uid, directory=False)
-        try:
-            # O_NONBLOCK: a FIFO swapped in after the stat is opened without waiting, then refused.
-            fd = os.open(name, mode | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=self._fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise SegmentRejected(f"{path}: {what} is a symbolic link; refusing to follow it") from exc
-            raise
-        try:
-            _check_private(os.fstat(fd), what, path, self._uid, directory=False)
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        """Open a private regular file of ours in the rank directory without following symlinks."""
+        return open_owned(name, what, SegmentRejected, flags=mode, dir_fd=self._fd,
+                          shown=os.path.join(self._dir, name), uid=self._uid, forbidden_mode=0o077)
 
     def _exists(self, name: str) -> bool:
         try:

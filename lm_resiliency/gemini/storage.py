@@ -29,6 +29,9 @@ What it guarantees:
 
 What it does not do: interpret the structure (the manager does), or prove who produced the
 bytes. CRC-32 detects accidental corruption only.
+
+Why one module of this size: every read and write of the on-disk format (shards, status
+sidecars, namespaces, their validation) lives together so the format has one definition.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from typing import Any, BinaryIO, List, Optional, Set
 import torch
 
 from lm_resiliency._values import is_int as _is_int
-from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json
+from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
 
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.tensor_bytes import byte_windows
@@ -566,45 +569,11 @@ class NodeLocalStore:
         except OSError as exc:
             raise OSError(exc.errno, f"cannot fsync GEMINI directory: {exc.strerror}", self._dir) from exc
 
-    def _open_owned(self, path: str, what: str, reject) -> Optional[int]:
-        """Open a regular file we own without following symlinks; None if it does not exist."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise reject(f"{path}: cannot stat {what}: {exc}") from exc
-        if stat.S_ISLNK(st.st_mode):
-            raise reject(f"{path}: {what} is a symbolic link; refusing to follow it")
-        if not stat.S_ISREG(st.st_mode):  # opening a FIFO would block until a writer appears
-            raise reject(f"{path}: {what} is not a regular file; refusing to load it")
-        try:
-            # O_NONBLOCK: a FIFO swapped in after the lstat is opened without waiting, then refused.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
-                         | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise reject(f"{path}: {what} is a symbolic link; refusing to follow it") from exc
-            raise reject(f"{path}: cannot open {what}: {exc}") from exc
-        st = os.fstat(fd)
-        reason = None
-        if not stat.S_ISREG(st.st_mode):
-            reason = f"{what} is not a regular file"
-        elif st.st_uid != self._uid:
-            reason = f"{what} is owned by uid {st.st_uid}, not by this process (uid {self._uid})"
-        if reason is not None:
-            os.close(fd)
-            raise reject(f"{path}: {reason}; refusing to load it")
-        os.set_blocking(fd, True)
-        return fd
-
     def _read_shard(self, key: ShardKey, path: str) -> Shard:
         def bad(reason: str) -> ShardRejected:
             return ShardRejected(f"{path}: {reason}")
 
-        fd = self._open_owned(path, "shard", ShardRejected)
+        fd = open_owned(path, "shard", ShardRejected, uid=self._uid)
         if fd is None:
             raise bad("shard file is missing")
         try:
@@ -618,7 +587,7 @@ class NodeLocalStore:
         except pickle.UnpicklingError as exc:
             raise bad(f"weights-only load refused it (the file is not a GEMINI tensor file and is "
                       f"never unpickled): {_summarize(exc)}") from exc
-        except Exception as exc:  # noqa: BLE001 - any loader failure means an unusable file
+        except Exception as exc:  # any loader failure means an unusable file
             raise bad(f"not a readable torch file (truncated or corrupt): {_summarize(exc)}") from exc
 
         if not isinstance(obj, dict):
@@ -696,7 +665,7 @@ class NodeLocalStore:
                      payload=payload, extra=meta["extra"])
 
     def _read_status_bytes(self, path: str) -> Optional[bytes]:
-        fd = self._open_owned(path, "status sidecar", StatusRejected)
+        fd = open_owned(path, "status sidecar", StatusRejected, uid=self._uid)
         if fd is None:
             return None
         try:

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
+from lm_resiliency._values import is_int
+
 FINGERPRINT_VERSION = 1
 
 # Installed distributions whose version changes what a training step computes.
@@ -246,7 +248,7 @@ def _ranked(fingerprints: Fingerprints) -> Dict[int, Mapping[str, Any]]:
 
 
 def _rank(key: Any) -> int:
-    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+    if is_int(key) and key >= 0:
         return key
     if isinstance(key, str) and key.isascii() and key.isdigit():
         return int(key)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+from lm_resiliency._values import is_int
 from lm_resiliency.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class HealthConfig:
                 "temperature_warning_margin_c",
                 f"must be a finite number of degrees C >= temperature_fatal_margin_c "
                 f"({self.temperature_fatal_margin_c!r}): warnings start before the fatal margin")
-        require(isinstance(self.nvlink_error_growth_fatal, int) and not isinstance(self.nvlink_error_growth_fatal, bool)
+        require(is_int(self.nvlink_error_growth_fatal)
                 and self.nvlink_error_growth_fatal >= 1,
                 "nvlink_error_growth_fatal", "must be a positive int number of errors per poll")
 
@@ -227,7 +228,7 @@ class HardwareHealthMonitor:
             for source in self._sources:
                 try:
                     source.close()
-                except Exception:  # noqa: BLE001 - one source must not keep the others open
+                except Exception:  # one source must not keep the others open
                     logger.exception("hardware health: closing source %s failed", source.name)
 
     def __enter__(self) -> "HardwareHealthMonitor":
@@ -254,7 +255,7 @@ class HardwareHealthMonitor:
                 if not isinstance(reading, HealthReading):
                     raise TypeError(f"{source.name}.read() returned a {type(reading).__name__}, "
                                     f"expected HealthReading objects")
-        except Exception:  # noqa: BLE001 - a failing source must not stop the monitor
+        except Exception:  # a failing source must not stop the monitor
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
             if failures == 1:
@@ -288,7 +289,7 @@ class HardwareHealthMonitor:
                          reading.value, reading.source, self._host, reading.message)
             try:
                 self._on_event(event)
-            except Exception:  # noqa: BLE001 - the manager's callback must not stop the monitor
+            except Exception:  # the manager's callback must not stop the monitor
                 logger.exception("hardware health: on_event failed for %s %s", reading.device, reading.metric)
 
 

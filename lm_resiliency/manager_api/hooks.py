@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
+from lm_resiliency._values import is_int
 from lm_resiliency.config import ConfigError
 from lm_resiliency.recovery import RecoveryDecisionCallback, RecoveryMode, select_mode
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
@@ -79,7 +80,7 @@ def _lookup(step_source: Optional[StepSource], mode: RecoveryMode) -> Tuple[Opti
         return None, None, None, "no checkpoint lookup was provided"
     try:
         found = step_source(mode)
-    except Exception as exc:  # noqa: BLE001 - reported in the decision; fault reports still go out
+    except Exception as exc:  # reported in the decision; fault reports still go out
         logger.exception("lm-resiliency: checkpoint lookup for a %s recovery decision failed", mode.value)
         return None, None, None, f"checkpoint lookup failed: {type(exc).__name__}: {exc}"
     if not isinstance(found, tuple) or len(found) not in (2, 3):
@@ -88,7 +89,7 @@ def _lookup(step_source: Optional[StepSource], mode: RecoveryMode) -> Tuple[Opti
         return None, None, None, f"checkpoint lookup returned {found!r}, not (step, source[, checkpoint_id])"
     step, source = found[0], found[1]
     checkpoint_id = found[2] if len(found) == 3 else None
-    valid = ((step is None or (isinstance(step, int) and not isinstance(step, bool) and step >= 0))
+    valid = ((step is None or (is_int(step) and step >= 0))
              and (source is None or isinstance(source, str))
              and (checkpoint_id is None or isinstance(checkpoint_id, str)))
     if not valid:

@@ -31,8 +31,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.scout._ddp_hooks_torch213 import registered_hook_name, uses_python_reducer
+from lm_resiliency._torch_compat import registered_hook_name, uses_python_reducer
 from lm_resiliency.scout.monitor import COMMUNICATION_OP_PREFIX, ProgressBeacon
+from lm_resiliency.wrappers import find_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -194,18 +195,6 @@ class GradientBucketTrace:
         return StepTrace(own_work_s=own, non_finite_buckets=tuple(local[i][0] for i in bad),
                          non_finite_parameters=tuple(names[:_MAX_NAMES]), reduced_non_finite=reduced_bad,
                          origin=origin)
-
-
-def find_ddp(model: Any) -> Optional[Any]:
-    """The DistributedDataParallel object `model` is, or wraps through torch.compile; else None."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    candidate = model
-    for _ in range(4):
-        if isinstance(candidate, DistributedDataParallel):
-            return candidate
-        candidate = getattr(candidate, "_orig_mod", None)  # torch.compile's wrapper
-    return None
 
 
 def install_ddp_trace(model: Any, beacon: ProgressBeacon) -> Optional[GradientBucketTrace]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
+from lm_resiliency._torch_compat import default_store, root_mesh
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
@@ -53,7 +54,7 @@ def _parameter_mesh(model: nn.Module) -> Optional[tuple]:
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         if type(p).__name__ == "DTensor" and mesh is not None:
-            root = mesh._get_root_mesh()
+            root = root_mesh(mesh)
             roots[id(root)] = root
     if not roots:
         return None
@@ -64,11 +65,14 @@ def _parameter_mesh(model: nn.Module) -> Optional[tuple]:
 
 
 class ScoutHarness:
-    """Collective to construct (creates gloo subgroups in the same order on every rank)."""
+    """Collective to construct (creates gloo subgroups in the same order on every rank).
+
+    `peer_group`: this rank's replay peers as a Gloo group the caller created on every rank;
+    SCOUT then compares replays within it instead of the groups it derives from `topology`."""
 
     def __init__(self, model: nn.Module, optimizer: Any, config: ReplayHarnessConfig, *,
                  on_oob_report: Callable[[SCOUTFaultReport], None], topology: Optional[Mapping[str, Any]] = None,
-                 probe_collectives: bool = True) -> None:
+                 peer_group: Optional[dist.ProcessGroup] = None, probe_collectives: bool = True) -> None:
         self.config = config
         self.beacon = ProgressBeacon()
         self.detector: Optional[ReplayDetector] = None
@@ -90,14 +94,19 @@ class ScoutHarness:
         group_ranks = [self.rank]
         replay_group = None
         try:
-            peer_groups = peer_groups_from_topology(dict(topology) if topology else {}, self.world_size,
-                                                    _parameter_mesh(model))
+            if peer_group is not None:
+                # The caller's group (Gloo, created on every rank): its ranks replace the topology's.
+                replay_group, group_ranks = peer_group, dist.get_process_group_ranks(peer_group)
+                peer_groups = [group_ranks]
+            else:
+                peer_groups = peer_groups_from_topology(dict(topology) if topology else {}, self.world_size,
+                                                        _parameter_mesh(model))
         except UnknownLayoutError as exc:
             # Every rank sees the same layout, so every rank skips the group creation below alike.
             peer_groups = None
             logger.warning("SCOUT: replay checks, replay-timed stragglers and checkpoint certification are off: "
                            "%s (the out-of-band hang/stall monitor stays on)", exc)
-        if self.world_size > 1 and peer_groups is not None:
+        if self.world_size > 1 and peer_groups is not None and peer_group is None:
             for ranks in peer_groups:
                 created = wire.new_group(ranks, bound, "SCOUT's replay peer group")
                 self._groups.append(created)
@@ -135,7 +144,7 @@ class ScoutHarness:
         if self.world_size > 2 and probe_collectives:
             self._probe = CollectiveProbe(default_probe_groups(self.world_size), rounds=3)
         if distributed:
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
             # Sessions are created in the same order on every rank: the count keys their snapshots apart.
             prefix = f"{DEFAULT_PREFIX}/session-{next(_SESSIONS)}"
             self.monitor = OOBMonitor(store, self.rank, self.world_size, config, self.beacon,

@@ -136,7 +136,7 @@ def instrument_dataloader(dataloader: Any, beacon: Optional[ProgressBeacon], nam
 # -------------------------------------------------------------------------------- checkpoint I/O
 
 
-class checkpoint_io:  # noqa: N801 - used as a function: `with checkpoint_io(beacon, "write", "periodic"):`
+class checkpoint_io:  # used as a function: `with checkpoint_io(beacon, "write", "periodic"):`
     """Mark a checkpoint read or write as "checkpoint:<kind>:<name>" for the OOB monitor.
 
     `kind` must be "read" or "write" (ValueError otherwise, raised at the call). With

@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from lm_resiliency._values import is_int
 from lm_resiliency.scout.reports import CheckOutcome
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ ERROR = "error"  # the check itself failed on every peer: no evidence either way
 
 
 def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def dense_peer_groups(world_size: int, model_parallel_size: int = 1) -> List[List[int]]:

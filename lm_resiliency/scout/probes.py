@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from lm_resiliency._values import is_int
 from lm_resiliency import wire
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def default_probe_groups(world_size: int, *, pairwise_max_world: int = _PAIRWISE
     A world of 2 has one group only, which cannot tell which end is slow (always ambiguous);
     a world of 1 has none.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if world_size <= pairwise_max_world:
         return [[a, b] for a in range(world_size) for b in range(a + 1, world_size)]
@@ -57,7 +58,7 @@ def time_compute(fn: Callable[[], Any], *, repeat: int = 1,
     Pass `synchronize=torch.cuda.synchronize` (or an equivalent) when `fn` launches
     asynchronous device work: it runs before starting and before stopping the clock.
     """
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+    if not is_int(repeat) or repeat < 1:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
     samples = []
     for _ in range(repeat):
@@ -89,7 +90,7 @@ class CollectiveProbe:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CollectiveProbe needs an initialized torch.distributed process group")
         for name, value, low in (("payload_bytes", payload_bytes, 1), ("rounds", rounds, 1), ("warmup", warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
                 or timeout_s <= 0:
@@ -99,7 +100,7 @@ class CollectiveProbe:
         for ranks in groups:
             ranks = list(ranks)
             if (len(ranks) < 2 or len(set(ranks)) != len(ranks)
-                    or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world for r in ranks)):
+                    or any(not is_int(r) or not 0 <= r < world for r in ranks)):
                 raise ValueError(f"groups: each group needs >= 2 distinct ranks in [0, {world}), got {ranks}")
             key = tuple(sorted(ranks))
             if key in normalized:
@@ -165,7 +166,7 @@ class CollectiveProbe:
             if self._rank in ranks and handle is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(handle)
-                except Exception:  # noqa: BLE001 - teardown must release the rest
+                except Exception:  # teardown must release the rest
                     logger.warning("could not destroy probe group %s", list(ranks), exc_info=True)
         self._handles = []
 

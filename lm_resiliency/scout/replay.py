@@ -25,6 +25,9 @@ A faulty device shows up because the replay runs the module's real forward (its 
 on the faulty peer, which then disagrees with the majority. Parameters and live gradients are
 never modified; the module's buffers are restored after the replay; the live RNG state is
 untouched.
+
+Why one module of this size: arm, share, replay, sign and vote are one collective protocol per
+check; every peer must run the same steps in the same order.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
@@ -64,6 +68,7 @@ from lm_resiliency.scout.reference import ReferenceStore
 from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
+from lm_resiliency.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +133,6 @@ class ModuleCatalog:
                 remaining.append((path, module))
                 covered.update(id(p) for p in module.parameters())
         return ModuleCatalog(embedding, hidden, output, tuple(remaining))
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module DDP (or DataParallel) wraps; the model itself otherwise."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
 
 
 def _refuse_compiled(model: nn.Module) -> None:
@@ -259,7 +257,7 @@ class ReplayDetector:
         if not isinstance(config, ReplayHarnessConfig):
             raise TypeError(f"config must be a ReplayHarnessConfig, got {type(config).__name__}")
         ranks = list(group_ranks)
-        if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks) \
+        if not ranks or not all(is_int(r) and r >= 0 for r in ranks) \
                 or len(set(ranks)) != len(ranks):
             raise ValueError(f"group_ranks must be distinct non-negative ints, got {group_ranks!r}")
         self._rank = dist.get_rank() if dist.is_initialized() else ranks[0]

@@ -30,6 +30,8 @@ from typing import Any, Iterator, List, Sequence
 
 from torch import nn
 
+from lm_resiliency._torch_compat import fsdp_grouped_modules, fsdp_param_groups, swap_fsdp_forward_hooks
+
 
 class ShardedReplayError(ValueError):
     """An FSDP layout that cannot be unsharded and restored exactly for a replay."""
@@ -68,14 +70,10 @@ def fsdp_modules_for(root: nn.Module, path: str) -> List[nn.Module]:
 def check_replayable(modules: Sequence[nn.Module], path: str) -> None:
     """Raise ShardedReplayError for FSDP layouts `unsharded` cannot restore exactly."""
     for module in modules:
-        state = module._get_fsdp_state()
-        if tuple(state._modules) != (module,):
+        grouped = fsdp_grouped_modules(module)
+        if grouped != (module,):
             raise ShardedReplayError(f"{path!r} is covered by a grouped fully_shard([...]) of "
-                                     f"{len(state._modules)} modules; SCOUT replays modules sharded one at a time")
-
-
-def _group_states(module: nn.Module) -> list:
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+                                     f"{len(grouped)} modules; SCOUT replays modules sharded one at a time")
 
 
 @contextlib.contextmanager
@@ -83,7 +81,7 @@ def unsharded(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Every FSDP module in `modules` unsharded, with its FSDP forward hooks reduced to their
     dtype casts; restored exactly on exit (see the module docstring). Collective over each
     module's FSDP mesh."""
-    groups = [group for module in modules for group in _group_states(module)]
+    groups = [group for module in modules for group in fsdp_param_groups(module)]
     post_forward = [g for g in groups if g.is_sharded_post_forward]
     if post_forward:
         raise ShardedReplayError("an FSDP parameter group is in its post-forward resharded state (replay must run "
@@ -94,29 +92,12 @@ def unsharded(modules: Sequence[nn.Module]) -> Iterator[None]:
         for module in modules:
             module.unshard()
         for module in modules:
-            state = module._get_fsdp_state()
-            pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
-            original = (module._forward_pre_hooks[pre_id], module._forward_hooks[post_id])
-            module._forward_pre_hooks[pre_id] = _cast_inputs(state)
-            module._forward_hooks[post_id] = _cast_output(state)
-            swapped.append((module, pre_id, post_id, original))
+            swapped.append((module, swap_fsdp_forward_hooks(module)))
         yield
     finally:
-        for module, pre_id, post_id, (pre, post) in swapped:
-            module._forward_pre_hooks[pre_id] = pre
-            module._forward_hooks[post_id] = post
+        for module, (pre, post) in swapped:
+            swap_fsdp_forward_hooks(module, pre, post)
         for group, sharded in zip(groups, was_sharded):
             if sharded and not group.is_sharded:
                 group.reshard()
 
-
-def _cast_inputs(state: Any) -> Any:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return state._cast_forward_inputs(args, kwargs)
-    return hook
-
-
-def _cast_output(state: Any) -> Any:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return state._cast_output_dtype(output)
-    return hook

@@ -53,7 +53,8 @@ from lm_resiliency.scout.invocation import (
     tensors_in,
     to_device,
 )
-from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector, unwrap_model
+from lm_resiliency.scout.replay import ModuleCatalog, ReplayDetector
+from lm_resiliency.wrappers import unwrap_model
 from lm_resiliency.scout.reports import ReplayResult
 from lm_resiliency.scout.signature import structure_signature
 from lm_resiliency.tensor_bytes import tensor_bytes
@@ -181,7 +182,7 @@ class FullCatalogSweep:
             return SweepReport(SweepOutcome.NOT_RUN, str(exc))
         except _Incomplete as exc:
             return SweepReport(SweepOutcome.INCOMPLETE, str(exc))
-        except Exception as exc:  # noqa: BLE001 - a broken store is missing evidence, never a clean sweep
+        except Exception as exc:  # a broken store is missing evidence, never a clean sweep
             logger.exception("SCOUT full replay sweep failed on rank %d", self.rank)
             return SweepReport(SweepOutcome.INCOMPLETE, f"the sweep's c10d store exchange failed on rank "
                                                         f"{self.rank}: {type(exc).__name__}: {exc}")

@@ -17,7 +17,7 @@ import stat
 import time
 from typing import Any, List, Optional
 
-from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json
+from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json, open_owned
 from lm_resiliency.trust.decision import MANIFEST_STATES, RECOVERY_VERIFIED, check_record, is_step
 from lm_resiliency.trust.errors import CertificationError, ManifestRejected
 
@@ -112,29 +112,10 @@ class ManifestStore:
     def read(self, name: str) -> Optional[dict]:
         """One validated manifest, or None if the file does not exist."""
         path = os.path.join(self.directory, name)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        fd = open_owned(path, "manifest", ManifestRejected, uid=self._uid, forbidden_mode=0o022)
+        if fd is None:
             return None
-        if stat.S_ISLNK(st.st_mode):
-            raise ManifestRejected(f"{path}: manifest is a symbolic link; refusing to follow it")
-        try:
-            # O_NONBLOCK: a FIFO named like a manifest must be refused below, not block this open.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ManifestRejected(f"{path}: cannot open manifest: {exc}") from exc
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ManifestRejected(f"{path}: manifest is not a regular file")
-            if st.st_uid != self._uid:
-                raise ManifestRejected(f"{path}: manifest is owned by uid {st.st_uid}, not by this process "
-                                       f"(uid {self._uid}); refusing to trust it")
-            if stat.S_IMODE(st.st_mode) & 0o022:
-                raise ManifestRejected(f"{path}: manifest is writable by group or others "
-                                       f"(mode {stat.S_IMODE(st.st_mode):o}); refusing to trust it")
             data = f.read()
         try:
             doc = loads_strict_json(data.decode("utf-8"))

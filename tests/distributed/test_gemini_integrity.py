@@ -110,7 +110,7 @@ def _corrupted_in_transit(rank, world, tmp):
     error = None
     try:
         manager._drain()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:  # the test inspects it
         error = f"{type(exc).__name__}: {exc}"
     held = [(s.owner_rank, s.step) for s in manager._peer.ready_slots()]
     manager.close()

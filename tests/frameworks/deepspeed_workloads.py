@@ -378,7 +378,7 @@ def _zygote_main(conn) -> None:
         import tests.harness as harness
 
         harness._CTX = mp.get_context("fork")  # ranks inherit the imports above
-    except BaseException:  # noqa: BLE001 - reported to the test
+    except BaseException:  # reported to the test
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", None))
@@ -397,7 +397,7 @@ def _zygote_main(conn) -> None:
             outcomes = harness.run_ranks(fn, world, *args, timeout=timeout, env=env, init=False,
                                          check=False)
             conn.send(("ok", outcomes))
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             conn.send(("error", traceback.format_exc()))
 
 

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.distributed.gemini_workloads import assert_same  # noqa: E402
-from tests.frameworks.accelerate_workloads import run_script, train_with_plugin  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
+from tests.distributed.gemini_workloads import assert_same
+from tests.frameworks.accelerate_workloads import run_script, train_with_plugin
+from tests.harness import run_ranks
 
-from lm_resiliency.callbacks.accelerate import ResiliencyPlugin  # noqa: E402
+from lm_resiliency.callbacks.accelerate import ResiliencyPlugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = os.path.join(ROOT, "tests", "frameworks", "accelerate_workloads.py")

@@ -16,7 +16,7 @@ import pytest
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-from tests.distributed.gemini_workloads import assert_same  # noqa: E402
+from tests.distributed.gemini_workloads import assert_same
 
 pytestmark = pytest.mark.timeout(90, func_only=True)
 

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.distributed.gemini_workloads import assert_same  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
+from tests.distributed.gemini_workloads import assert_same
+from tests.harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from tests.distributed.gemini_workloads import assert_same  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
+from tests.distributed.gemini_workloads import assert_same
+from tests.harness import run_ranks
 
 
 def _env():

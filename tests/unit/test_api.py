@@ -46,7 +46,7 @@ def test_explicit_pytorch_entry_point_is_the_same_implementation(tmp_path):
     from lm_resiliency.integrations.pytorch import enable_resiliency as explicit
 
     model, optimizer = _objects()
-    session = explicit(model, optimizer, device=torch.device("cpu"), checkpoint=_config(tmp_path))
+    session = explicit(model, optimizer, checkpoint=_config(tmp_path))
     assert isinstance(session, lm_resiliency.ResiliencySession) and isinstance(session, ResiliencyHandle)
     session.close()
 

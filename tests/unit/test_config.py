@@ -8,7 +8,8 @@ import math
 import pytest
 
 from lm_resiliency import InMemoryCkptConfig
-from lm_resiliency.config import ConfigError, ResiliencyPolicy, read_settings
+from lm_resiliency.config import (ConfigError, ResiliencyPolicy, env_keep_shared_memory, env_resume_step, env_run_id,
+                                  read_settings)
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 
@@ -220,3 +221,17 @@ def test_read_settings_is_the_deepspeed_section_parser_too():
         read_settings([], "section", "section.")
     with pytest.raises(ConfigError, match=r"^section\.interval: must be a positive int, got True"):
         read_settings({"interval": True}, "section", "section.")
+
+
+def test_variables_read_whatever_lm_resiliency_says():
+    assert env_run_id({"LM_RESILIENCY_RUN_ID": "my-run"}) == "my-run" and env_run_id({}) is None
+    keep = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
+    assert [env_keep_shared_memory({keep: v}) for v in ("1", "yes", " on ")] == [True, True, True]
+    assert [env_keep_shared_memory({keep: v}) for v in ("", "0", "false", "OFF")] == [False] * 4
+    assert env_keep_shared_memory({}) is False
+    step = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
+    assert env_resume_step({}) is None and env_resume_step({step: ""}) is None
+    assert env_resume_step({step: "120"}) == 120
+    for bad in ("-1", "1_000", "3.5", "x"):
+        with pytest.raises(ConfigError, match=f"{step}={bad!r}: expected an integer >= 0"):
+            env_resume_step({step: bad})

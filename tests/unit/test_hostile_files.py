@@ -39,7 +39,7 @@ def finishes(fn, timeout_s=20.0):
     def target():
         try:
             fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:  # handed to the test
             outcome["error"] = exc
 
     thread = threading.Thread(target=target, daemon=True)
