@@ -111,3 +111,32 @@ def one_rank_checks(rank: int, world: int, folder: str) -> Dict[str, Any]:
     trainer.close()
     out["hooks_removed"] = "load" not in vars(trainer.checkpointer)
     return out
+
+
+def mesh_peers(rank: int, world: int, layouts: list) -> list:
+    """For each (dp_replicate, tp, cp) in `layouts`: SCOUT's peer groups for a real `ParallelDims`
+    whose meshes are built over gloo, next to the ranks TorchTitan's own meshes put in this rank's
+    data-parallel ("batch") and TP groups; or the UnknownLayoutError message where SCOUT refuses it."""
+    torchtitan_cpu.apply()
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from lm_resiliency.adapters.torchtitan import peer_layout
+    from lm_resiliency.scout.peers import UnknownLayoutError, group_of, peer_groups_from_topology
+
+    out = []
+    for dp_replicate, tp, cp in layouts:
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=cp, tp=tp, pp=1, ep=1, world_size=world,
+                            spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        try:
+            groups = peer_groups_from_topology({"peer_layout": peer_layout(dims)}, world)
+        except UnknownLayoutError as exc:
+            out.append(str(exc))
+            continue
+
+        def ranks(name: str) -> list:
+            mesh = dims.get_optional_mesh(name)
+            return sorted(mesh.mesh.flatten().tolist()) if mesh is not None else [rank]
+
+        out.append({"groups": groups, "mine": group_of(rank, groups), "batch": ranks("batch"), "tp": ranks("tp")})
+    return out
