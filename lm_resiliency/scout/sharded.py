@@ -16,7 +16,9 @@ module's own TP hooks expect to stay sharded. FSDP's forward hooks are not repla
 record the module in the backward prefetch order, may make it the iteration's root and prefetch
 other modules), so while unsharded each module's FSDP forward hooks are swapped, in place, for
 just their dtype casts (`MixedPrecisionPolicy`): the replay computes what training computed and
-leaves FSDP's iteration state untouched. Test-side and user hooks keep running.
+leaves FSDP's iteration state untouched. Test-side and user hooks keep running. A grouped
+`fully_shard([a, b])` (TorchTitan groups the final norm with the output head) is one FSDP state
+with hooks on each of its modules: all of them are swapped, and the group unsharded once.
 
 Tensor parallelism needs nothing here: TP modules keep their DTensor parameters and their TP
 hooks, whose collectives line up because every rank of the TP group replays the same module at
@@ -26,7 +28,7 @@ the same step; signatures read the local TP shards, which are equal across data-
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List, Sequence, Tuple
 
 from torch import nn
 
@@ -65,17 +67,38 @@ def fsdp_modules_for(root: nn.Module, path: str) -> List[nn.Module]:
     return owners
 
 
-def check_replayable(modules: Sequence[nn.Module], path: str) -> None:
-    """Raise ShardedReplayError for FSDP layouts `unsharded` cannot restore exactly."""
+def _states(modules: Sequence[nn.Module]) -> list:
+    """The FSDP states of `modules`, once each (a grouped `fully_shard([a, b])` shares one)."""
+    states: dict = {}
     for module in modules:
         state = module._get_fsdp_state()
-        if tuple(state._modules) != (module,):
-            raise ShardedReplayError(f"{path!r} is covered by a grouped fully_shard([...]) of "
-                                     f"{len(state._modules)} modules; SCOUT replays modules sharded one at a time")
+        states.setdefault(id(state), state)
+    return list(states.values())
 
 
-def _group_states(module: nn.Module) -> list:
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+def _forward_hook_slots(state: Any) -> List[Tuple[dict, int, str]]:
+    """(hooks dict, hook id, "pre" or "post") of FSDP's forward hooks of `state`, on each of its
+    modules: one pair for `fully_shard(module)`, one per module for a grouped `fully_shard([...])`
+    (whose handle is a `_MultiHandle`)."""
+    slots = []
+    for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+        for single in getattr(handle, "handles", (handle,)):
+            for module in state._modules:  # hook ids are unique: each is in one dict at most
+                if single.id in module._forward_pre_hooks:
+                    slots.append((module._forward_pre_hooks, single.id, "pre"))
+                if single.id in module._forward_hooks:
+                    slots.append((module._forward_hooks, single.id, "post"))
+    return list({(id(hooks), hook_id): (hooks, hook_id, kind) for hooks, hook_id, kind in slots}.values())
+
+
+def check_replayable(modules: Sequence[nn.Module], path: str) -> None:
+    """Raise ShardedReplayError for FSDP layouts `unsharded` cannot restore exactly."""
+    for state in _states(modules):
+        slots = _forward_hook_slots(state)
+        if len(slots) != 2 * len(state._modules):
+            raise ShardedReplayError(f"{path!r}: FSDP's forward hooks of its {len(state._modules)} module(s) were "
+                                     f"not found where fully_shard registers them ({len(slots)} of "
+                                     f"{2 * len(state._modules)}); SCOUT cannot replay it without them firing")
 
 
 @contextlib.contextmanager
@@ -83,28 +106,25 @@ def unsharded(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Every FSDP module in `modules` unsharded, with its FSDP forward hooks reduced to their
     dtype casts; restored exactly on exit (see the module docstring). Collective over each
     module's FSDP mesh."""
-    groups = [group for module in modules for group in _group_states(module)]
+    states = _states(modules)
+    groups = [group for state in states for group in state._fsdp_param_groups]
     post_forward = [g for g in groups if g.is_sharded_post_forward]
     if post_forward:
         raise ShardedReplayError("an FSDP parameter group is in its post-forward resharded state (replay must run "
                                  "after backward, before optimizer.step())")
     was_sharded = [g.is_sharded for g in groups]
-    swapped = []
+    swapped: List[Tuple[dict, int, Any]] = []
     try:
-        for module in modules:
-            module.unshard()
-        for module in modules:
-            state = module._get_fsdp_state()
-            pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
-            original = (module._forward_pre_hooks[pre_id], module._forward_hooks[post_id])
-            module._forward_pre_hooks[pre_id] = _cast_inputs(state)
-            module._forward_hooks[post_id] = _cast_output(state)
-            swapped.append((module, pre_id, post_id, original))
+        for state in states:
+            state._modules[0].unshard()
+        for state in states:
+            for hooks, hook_id, kind in _forward_hook_slots(state):
+                swapped.append((hooks, hook_id, hooks[hook_id]))
+                hooks[hook_id] = _cast_inputs(state) if kind == "pre" else _cast_output(state)
         yield
     finally:
-        for module, pre_id, post_id, (pre, post) in swapped:
-            module._forward_pre_hooks[pre_id] = pre
-            module._forward_hooks[post_id] = post
+        for hooks, hook_id, original in swapped:
+            hooks[hook_id] = original
         for group, sharded in zip(groups, was_sharded):
             if sharded and not group.is_sharded:
                 group.reshard()

@@ -27,3 +27,19 @@ def test_peer_groups_from_real_parallel_dims_on_four_ranks():
         assert dp_tp["mine"] == dp_tp["batch"] == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert set(dp_tp["tp"]) & set(dp_tp["mine"]) == {rank}
         assert cp.startswith("context parallelism (cp=2)"), cp
+
+
+@pytest.mark.slow  # three TorchTitan processes: ~6 minutes on 2 loaded cores
+@pytest.mark.timeout(600)
+def test_trainer_with_scout_names_the_rank_whose_embedding_is_corrupted(tmp_path):
+    """The real Trainer, FSDP2 over 3 gloo ranks, SCOUT switched on from the command line: the fault
+    kit sign-flips rank 2's token-embedding output; the replay check at step 2 outvotes rank 2.
+    Replay runs at all only because the peers come from ParallelDims and TorchTitan's grouped
+    fully_shard([norm, lm_head]) is replayable (before: "replay checks disabled")."""
+    from tests.frameworks.test_torchtitan import _env
+    from tests.frameworks.torchtitan_workloads import scout_finds_corruption
+
+    outs = run_ranks(scout_finds_corruption, 3, str(tmp_path), 2, timeout=540, init=False, env=_env())
+    for rank, out in enumerate(outs):
+        assert out["peers"] == [0, 1, 2] and out["step"] == 2, (rank, out)
+        assert ("sdc", "embedding:tok_embeddings", [2]) in out["reports"], (rank, out)

@@ -17,14 +17,16 @@ KILL_AT = 6      # SIGKILL in the forward of step 6: step 5 done, GEMINI's step-
 INTERVAL = 2
 
 
-def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: bool = False) -> Any:
+def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: bool = False,
+                       detection: bool = False) -> Any:
     """The trainer TorchTitan's train.py would build from this command line."""
     torchtitan_cpu.apply()
     from torchtitan.config import ConfigManager
 
     config = ConfigManager().parse_args([
         "--module", "lm_resiliency.integrations.torchtitan", "--config", "llama3_debugmodel",
-        "--checkpoint.resiliency-interval", str(INTERVAL), "--checkpoint.no-resiliency-detection",
+        "--checkpoint.resiliency-interval", str(INTERVAL),
+        "--checkpoint.resiliency-detection" if detection else "--checkpoint.no-resiliency-detection",
         "--checkpoint.resiliency-folder", os.path.join(folder, "gemini"),
         "--checkpoint.resiliency-run-id", "titan", "--checkpoint.resiliency-shm-dir", os.path.join(folder, "shm")])
     config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), dump, steps=steps, config=config)
@@ -139,4 +141,32 @@ def mesh_peers(rank: int, world: int, layouts: list) -> list:
             return sorted(mesh.mesh.flatten().tolist()) if mesh is not None else [rank]
 
         out.append({"groups": groups, "mine": group_of(rank, groups), "batch": ranks("batch"), "tp": ranks("tp")})
+    return out
+
+
+def scout_finds_corruption(rank: int, world: int, folder: str, faulty_rank: int) -> Dict[str, Any]:
+    """SCOUT on (command line), INTERVAL steps; the fault kit sign-flips `faulty_rank`'s token
+    embedding output from the first iteration on (every forward, the replay's included). Returns
+    this rank's replay peers and the reports of the check at step INTERVAL."""
+    from lm_resiliency.faults import (CorruptionOperation, FailureType, FaultCampaign, FaultIncident, FaultScope,
+                                      FaultSpec, FaultSurface, FaultTarget, IncidentLifetime, IncidentTrigger,
+                                      enable_fault_injection)
+    from lm_resiliency.scout.reports import replay_fault_reports
+
+    trainer = _resilient_trainer(folder, os.path.join(folder, "dump"), steps=INTERVAL, detection=True)
+    spec = FaultSpec(fault_id="embedding-sign-flip", type=FailureType.TENSOR_CORRUPTION,
+                     target=FaultTarget(rank=faulty_rank, module_path="tok_embeddings", surface=FaultSurface.OUTPUT),
+                     parameters={"operation": CorruptionOperation.SIGN_FLIP.value, "scope": FaultScope.FULL.value})
+    campaign = FaultCampaign(name="titan-sdc", incidents=(FaultIncident(
+        incident_id="sdc", trigger=IncidentTrigger(at=(1,)), faults=(spec,),
+        lifetime=IncidentLifetime(permanent=True)),))
+    faults = enable_fault_injection(trainer.model_parts[0], trainer.optimizers.optimizers[0], campaign=campaign)
+    trainer.train()
+    session = trainer.checkpointer.resiliency
+    result = session.last_replay_result
+    out = {"peers": list(session.scout.detector.group_ranks), "step": result.step,
+           "reports": [(r.kind, r.resource, list(r.ranks)) for r in replay_fault_reports(result)],
+           "verdicts": {c.check: c.verdict for c in result.checks}}
+    faults.close()
+    trainer.close()
     return out
