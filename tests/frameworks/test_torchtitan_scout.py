@@ -13,20 +13,22 @@ from tests.harness import run_ranks  # noqa: E402
 
 @pytest.mark.timeout(300)
 def test_peer_groups_from_real_parallel_dims_on_four_ranks():
-    """Four layouts of one 4-rank job, meshes built by TorchTitan over gloo:
-    FSDP2 over a 1-D mesh and HSDP 2 x 2 replay the unsharded module on all four ranks; DP 2 x TP 2
-    replays among the data-parallel ranks at one TP coordinate, exactly the ranks of TorchTitan's own
-    "batch" mesh, none of them in this rank's TP group; context parallelism turns replay off."""
+    """Layouts of one 4-rank job, meshes built by TorchTitan over gloo: FSDP2 over a 1-D mesh and
+    HSDP 2 x 2 replay the unsharded module on all four ranks; DP 2 x TP 2 replays among the
+    data-parallel ranks at one TP coordinate, exactly the ranks of TorchTitan's own "batch" mesh,
+    none of them in this rank's TP group; CP, EP and PP turn replay off with the reason."""
     from tests.frameworks.torchtitan_workloads import mesh_peers
 
-    layouts = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (dp_replicate, tp, cp); dp_shard fills the rest
-    for rank, (fsdp, hsdp, dp_tp, cp) in enumerate(run_ranks(mesh_peers, 4, layouts, timeout=240)):
+    layouts = [{}, {"dp_replicate": 2}, {"tp": 2}, {"cp": 2}, {"ep": 2}, {"pp": 2}]
+    for rank, (fsdp, hsdp, dp_tp, cp, ep, pp) in enumerate(run_ranks(mesh_peers, 4, layouts, timeout=240)):
         for out in (fsdp, hsdp):
             assert out["groups"] == [[0, 1, 2, 3]] and out["mine"] == out["batch"] == [0, 1, 2, 3], (rank, out)
         assert dp_tp["groups"] == [[0, 2], [1, 3]], (rank, dp_tp)
         assert dp_tp["mine"] == dp_tp["batch"] == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert set(dp_tp["tp"]) & set(dp_tp["mine"]) == {rank}
         assert cp.startswith("context parallelism (cp=2)"), cp
+        assert ep.startswith("expert parallelism (ep=2)"), ep
+        assert pp == "pipeline parallelism (pp=2)", pp
 
 
 @pytest.mark.slow  # three TorchTitan processes: ~6 minutes on 2 loaded cores
