@@ -18,7 +18,7 @@ INTERVAL = 2
 
 
 def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: bool = False,
-                       detection: bool = False) -> Any:
+                       detection: bool = False, tp: int = 1) -> Any:
     """The trainer TorchTitan's train.py would build from this command line."""
     torchtitan_cpu.apply()
     from torchtitan.config import ConfigManager
@@ -31,6 +31,7 @@ def _resilient_trainer(folder: str, dump: str, *, steps: int = STEPS, durable: b
         "--checkpoint.resiliency-run-id", "titan", "--checkpoint.resiliency-shm-dir", os.path.join(folder, "shm")])
     config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), dump, steps=steps, config=config)
     config.checkpoint.enable = durable  # TorchTitan's own (DCP) checkpoints
+    config.parallelism.tensor_parallel_degree = tp
     return config.build()
 
 
@@ -48,21 +49,24 @@ def final_state(trainer: Any) -> Dict[str, Any]:
             "lr": [group["lr"] for group in optimizer.param_groups]}
 
 
-def kill_then_resume(rank: int, world: int, folder: str, phase: str) -> Any:
+def kill_then_resume(rank: int, world: int, folder: str, phase: str, tp: int = 1,
+                     detection: bool = False) -> Any:
     """phase 'kill': train and SIGKILL this rank at step KILL_AT; 'resume': the same command again
     (GEMINI step 4, then on to STEPS); 'baseline': uninterrupted, without lm-resiliency, saving a
-    TorchTitan (DCP) checkpoint at the last step."""
+    TorchTitan (DCP) checkpoint at the last step. `tp`: the tensor-parallel degree (dp_shard takes
+    the rest); `detection`: SCOUT on in the resilient runs (the resume then reports its last check)."""
     if phase == "baseline":
         torchtitan_cpu.apply()
         config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), os.path.join(folder, "dump"),
                                              steps=STEPS)
         config.checkpoint.enable, config.checkpoint.interval = True, STEPS
+        config.parallelism.tensor_parallel_degree = tp
         trainer = config.build()
         trainer.train()
         state = final_state(trainer)
         trainer.close()
         return {"first_step": 1, "state": state}
-    trainer = _resilient_trainer(folder, os.path.join(folder, "dump"))
+    trainer = _resilient_trainer(folder, os.path.join(folder, "dump"), detection=detection, tp=tp)
     seen = []
 
     def watch(module: Any, args: Any) -> None:
@@ -72,10 +76,14 @@ def kill_then_resume(rank: int, world: int, folder: str, phase: str) -> Any:
 
     trainer.model_parts[0].register_forward_pre_hook(watch)
     trainer.train()
-    recovered_from = trainer.checkpointer.resiliency.recovered_from
-    state = final_state(trainer)
+    session = trainer.checkpointer.resiliency
+    out = {"first_step": seen[0], "recovered_from": session.recovered_from, "state": final_state(trainer)}
+    if detection:
+        result = session.last_replay_result
+        out.update(peers=list(session.scout.detector.group_ranks), check_step=result.step,
+                   verdicts={c.check: (c.module_path, c.verdict) for c in result.checks})
     trainer.close()  # closes the session first
-    return {"first_step": seen[0], "recovered_from": recovered_from, "state": state}
+    return out
 
 
 def durable_conflict(rank: int, world: int, folder: str, durable_dump: str) -> str:
@@ -116,9 +124,10 @@ def one_rank_checks(rank: int, world: int, folder: str) -> Dict[str, Any]:
 
 
 def mesh_peers(rank: int, world: int, layouts: list) -> list:
-    """For each (dp_replicate, tp, cp) in `layouts`: SCOUT's peer groups for a real `ParallelDims`
-    whose meshes are built over gloo, next to the ranks TorchTitan's own meshes put in this rank's
-    data-parallel ("batch") and TP groups; or the UnknownLayoutError message where SCOUT refuses it."""
+    """For each `ParallelDims` degrees dict in `layouts` (dp_shard takes the rest): SCOUT's peer
+    groups for a real `ParallelDims` whose meshes are built over gloo, next to the ranks TorchTitan's
+    own meshes put in this rank's data-parallel ("batch") and TP groups; or the UnknownLayoutError
+    message where SCOUT refuses the layout."""
     torchtitan_cpu.apply()
     from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -126,9 +135,9 @@ def mesh_peers(rank: int, world: int, layouts: list) -> list:
     from lm_resiliency.scout.peers import UnknownLayoutError, group_of, peer_groups_from_topology
 
     out = []
-    for dp_replicate, tp, cp in layouts:
-        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=cp, tp=tp, pp=1, ep=1, world_size=world,
-                            spmd_backend="partial_dtensor")
+    for degrees in layouts:
+        given = {"dp_replicate": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, **degrees}
+        dims = ParallelDims(dp_shard=-1, world_size=world, spmd_backend="partial_dtensor", **given)
         dims.build_mesh()
         try:
             groups = peer_groups_from_topology({"peer_layout": peer_layout(dims)}, world)
@@ -170,3 +179,4 @@ def scout_finds_corruption(rank: int, world: int, folder: str, faulty_rank: int)
     faults.close()
     trainer.close()
     return out
+
