@@ -45,3 +45,17 @@ def test_trainer_with_scout_names_the_rank_whose_embedding_is_corrupted(tmp_path
     for rank, out in enumerate(outs):
         assert out["peers"] == [0, 1, 2] and out["step"] == 2, (rank, out)
         assert ("sdc", "embedding:tok_embeddings", [2]) in out["reports"], (rank, out)
+
+
+def test_a_malformed_peer_layout_turns_replay_off_instead_of_guessing():
+    from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
+
+    with pytest.raises(UnknownLayoutError, match=r"peer_layout \[2, 2\] does not cover the 8 ranks"):
+        peer_groups_from_topology({"peer_layout": {"shape": [2, 2], "names": ["dp_shard", "tp"]}}, 8)
+    with pytest.raises(UnknownLayoutError, match="is not"):
+        peer_groups_from_topology({"peer_layout": "dp_shard"}, 4)
+    with pytest.raises(UnknownLayoutError, match=r"^expert parallelism$"):
+        peer_groups_from_topology({"peer_layout": {"unsupported": "expert parallelism"}}, 4)
+    # The declared layout wins over the parameters' root mesh (TorchTitan's flat "world").
+    assert peer_groups_from_topology({"peer_layout": {"shape": [2, 2], "names": ["dp_shard", "tp"]}}, 4,
+                                     ([4], ["world"], [0, 1, 2, 3])) == [[0, 2], [1, 3]]
