@@ -38,6 +38,27 @@ SUPPORTED_OPTIONS: frozenset = frozenset()
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 
+def peer_layout(parallel_dims: Any) -> Dict[str, Any]:
+    """SCOUT's view of a `ParallelDims` layout, for `scout.peers.peer_groups_from_topology`.
+
+    TorchTitan unflattens one flat `world` mesh (ranks 0..n-1) row-major into
+    (pp, dp_replicate, dp_shard, cp, tp) for the dense parameters, so SCOUT cannot read the layout
+    from the parameters' root mesh: the degrees name it. Dense replay peers vary along
+    dp_replicate and dp_shard (FSDP shard peers replay the unsharded module) and share the TP
+    coordinate. Layouts whose replay would not compare like with like are named with the reason."""
+    degrees = {name: int(getattr(parallel_dims, name)) for name in _DEGREES}
+    if degrees["ep"] > 1:
+        return {"unsupported": f"expert parallelism (ep={degrees['ep']}): a replayed MoE layer exchanges tokens "
+                               "with ranks outside the data-parallel peer group"}
+    if degrees["cp"] > 1:
+        return {"unsupported": f"context parallelism (cp={degrees['cp']}): peers at one context-parallel "
+                               "coordinate hold different sequence chunks and attention is split across ranks"}
+    if degrees["pp"] > 1:
+        return {"unsupported": f"pipeline parallelism (pp={degrees['pp']})"}
+    names = ("dp_replicate", "dp_shard", "tp")
+    return {"shape": [degrees[name] for name in names], "names": list(names)}
+
+
 def is_torchtitan_trainer(obj: Any) -> bool:
     try:
         from torchtitan.trainer import Trainer
@@ -115,7 +136,8 @@ class TorchTitanAdapter(HookFactoryAdapter):
             kind = "dp_tp" if replicate * shard > 1 else "tp"
         else:
             kind = "hsdp" if replicate > 1 and shard > 1 else ("fsdp2" if shard > 1 else "ddp")
-        descriptor: Dict[str, Any] = {"kind": kind, **degrees, "world_size": int(self.trainer.parallel_dims.world_size)}
+        descriptor: Dict[str, Any] = {"kind": kind, **degrees, "world_size": int(self.trainer.parallel_dims.world_size),
+                                      "peer_layout": peer_layout(self.trainer.parallel_dims)}
         # Every rank's shard (or TP slice) is unique except across dp_replicate; GEMINI keeps a peer
         # copy in every layout (an HSDP replica could die with its peer).
         return Topology(kind=f"torchtitan-{kind}", replicate=True, descriptor=descriptor)

@@ -5,7 +5,7 @@
 
     # CPU (no GPU): --cpu applies the CPU workarounds of tests/frameworks/torchtitan_cpu.py
     # (test-only patches of TorchTitan and torch, never for production) and a tiny local tokenizer
-    # and dataset; FSDP2 over 2 gloo ranks
+    # and dataset; FSDP2 over 2 gloo ranks (3+ ranks let SCOUT name a faulty rank exactly)
     torchrun --standalone --nproc-per-node 2 examples/torchtitan_debug.py --cpu --out /tmp/titan-demo --steps 6
 
 Everything after `--` goes to TorchTitan's config parser. The script only runs
@@ -33,8 +33,7 @@ def titan_args(args: argparse.Namespace, extra: list) -> list:
         tokenizer, data = torchtitan_cpu.write_assets(os.path.join(args.out, "assets"))
         argv += ["--hf-assets-path", tokenizer, "--dataloader.dataset-path", data,
                  "--training.seq-len", "64", "--training.local-batch-size", "2",
-                 "--parallelism.spmd-backend", "partial_dtensor", "--validator.no-enable",
-                 "--checkpoint.no-resiliency-detection"]
+                 "--parallelism.spmd-backend", "partial_dtensor", "--validator.no-enable"]
     return argv + extra
 
 
@@ -43,7 +42,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="apply the CPU test workarounds (no GPU here)")
     parser.add_argument("--out", default="./outputs/titan-demo", help="TorchTitan dump folder")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--interval", type=int, default=2, help="GEMINI capture interval")
+    parser.add_argument("--interval", type=int, default=2, help="GEMINI capture and SCOUT check interval")
     parser.add_argument("--run-id", default="torchtitan-debug",
                         help="GEMINI run identity; the same on every launch of this run, so a relaunch resumes")
     args, extra = parser.parse_known_args()

@@ -56,17 +56,30 @@ def fsdp_param_groups(module: nn.Module) -> List[Any]:
     return list(fsdp_state(module)._fsdp_param_groups)
 
 
-def swap_fsdp_forward_hooks(module: nn.Module, pre: Callable[..., Any] | None = None,
-                            post: Callable[..., Any] | None = None) -> Tuple[Any, Any]:
-    """Put `pre`/`post` in the places of FSDP's forward pre-/post-hook on `module` (None: FSDP's
-    dtype casts only, without its iteration bookkeeping). Returns the hooks replaced, to put back
-    with a second call."""
+HookSlot = Tuple[dict, int, str]
+
+
+def fsdp_forward_hook_slots(module: nn.Module) -> List[HookSlot]:
+    """(hooks dict, hook id, "pre" or "post") of FSDP's forward hooks for the `fully_shard` call
+    covering `module`, on each module it covers: one pair for `fully_shard(module)`, one per module
+    for a grouped `fully_shard([...])` (whose handle is a `_MultiHandle`)."""
     state = fsdp_state(module)
-    pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
-    replaced = (module._forward_pre_hooks[pre_id], module._forward_hooks[post_id])
-    module._forward_pre_hooks[pre_id] = pre if pre is not None else _cast_inputs(state)
-    module._forward_hooks[post_id] = post if post is not None else _cast_output(state)
-    return replaced
+    slots = []
+    for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+        for single in getattr(handle, "handles", (handle,)):
+            for covered in state._modules:  # hook ids are unique: each is in one dict at most
+                if single.id in covered._forward_pre_hooks:
+                    slots.append((covered._forward_pre_hooks, single.id, "pre"))
+                if single.id in covered._forward_hooks:
+                    slots.append((covered._forward_hooks, single.id, "post"))
+    return list({(id(hooks), hook_id): (hooks, hook_id, kind) for hooks, hook_id, kind in slots}.values())
+
+
+def fsdp_cast_hook(module: nn.Module, kind: str) -> Callable[..., Any]:
+    """FSDP's dtype cast alone, without its iteration bookkeeping: the forward pre-hook ("pre")
+    or post-hook ("post") of the `fully_shard` call covering `module`."""
+    state = fsdp_state(module)
+    return _cast_inputs(state) if kind == "pre" else _cast_output(state)
 
 
 def _cast_inputs(state: Any) -> Callable[..., Any]:

@@ -54,7 +54,7 @@ if CheckpointManager is not None:
             resiliency_enable: bool = True
             """Attach lm-resiliency (GEMINI in-memory checkpoints, SCOUT) when train() starts."""
             resiliency_interval: int = 10
-            """GEMINI capture interval in optimizer steps."""
+            """GEMINI capture and SCOUT check interval in optimizer steps."""
             resiliency_detection: bool = True
             """SCOUT failure detection and localization."""
             resiliency_folder: str = "gemini"
@@ -75,12 +75,12 @@ if CheckpointManager is not None:
             config = self.resiliency_config
             if self.resiliency is None and config.resiliency_enable:
                 gemini = InMemoryCkptConfig(
-                    interval=config.resiliency_interval,
                     disk_folder=os.path.join(self.base_folder, config.resiliency_folder),
                     run_id=config.resiliency_run_id or None, shared_memory_dir=config.resiliency_shm_dir or None)
                 # Recovery runs first; the hooks now wrap this manager's load (see callbacks.torchtitan).
-                self.resiliency = enable_resiliency(self.trainer, checkpoint=gemini,
-                                                    enable_detection=config.resiliency_detection)
+                # The shared interval: GEMINI captures and SCOUT checks (a capture needs a check at its step).
+                self.resiliency = enable_resiliency(self.trainer, interval=config.resiliency_interval,
+                                                    checkpoint=gemini, enable_detection=config.resiliency_detection)
                 return self.load(step)
             return super().load(step)
 

@@ -148,6 +148,20 @@ def _explicit_groups(groups: object, world_size: int) -> List[List[int]]:
     return sorted(sorted(int(r) for r in g) for g in groups)
 
 
+def _declared_layout(layout: object, world_size: int) -> Tuple[List[int], List[str], List[int]]:
+    """An adapter's own reading of its framework's layout (TorchTitan's ParallelDims, whose root mesh
+    is one flat `world` dimension): `{"shape", "names"}` row-major over ranks 0..world_size-1, or
+    `{"unsupported": reason}`."""
+    if isinstance(layout, dict) and "unsupported" in layout:
+        raise UnknownLayoutError(str(layout["unsupported"]))
+    if not isinstance(layout, dict) or not isinstance(layout.get("shape"), list) or \
+            not isinstance(layout.get("names"), list):
+        raise UnknownLayoutError(f"the adapter's peer_layout {layout!r} is not {{'shape': [...], 'names': [...]}}")
+    if math.prod(layout["shape"]) != world_size:
+        raise UnknownLayoutError(f"the adapter's peer_layout {layout['shape']} does not cover the {world_size} ranks")
+    return layout["shape"], layout["names"], list(range(world_size))
+
+
 def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
                               mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequence[int]]] = None
                               ) -> List[List[int]]:
@@ -157,12 +171,15 @@ def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
     Peers share every model-parallel (TP) coordinate and vary along every data-parallel one
     (`dp_replicate` and `dp_shard`: FSDP shard peers replay the unsharded module). An unnamed
     mesh is read the way the PyTorch adapter reads it: 1-D is FSDP, 2-D is HSDP. A descriptor
-    that carries its own `peer_groups` (the Megatron adapter's) is taken as given. Raises
-    `UnknownLayoutError` for anything else rather than returning groups that could be wrong."""
+    that carries its own `peer_groups` (the Megatron adapter's) is taken as given; its
+    `peer_layout` (TorchTitan's, see `_declared_layout`) takes the place of the parameters' mesh.
+    Raises `UnknownLayoutError` for anything else rather than returning groups that could be wrong."""
     if not _positive_int(world_size):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if descriptor.get("peer_groups") is not None:
         return _explicit_groups(descriptor["peer_groups"], world_size)
+    if "peer_layout" in descriptor:
+        mesh = _declared_layout(descriptor["peer_layout"], world_size)
     if mesh is None:
         tp = descriptor.get("tp", descriptor.get("mp_world_size", 1))  # mp_world_size: DeepSpeed's
         if tp not in (None, 1):

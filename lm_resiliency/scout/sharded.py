@@ -16,7 +16,9 @@ module's own TP hooks expect to stay sharded. FSDP's forward hooks are not repla
 record the module in the backward prefetch order, may make it the iteration's root and prefetch
 other modules), so while unsharded each module's FSDP forward hooks are swapped, in place, for
 just their dtype casts (`MixedPrecisionPolicy`): the replay computes what training computed and
-leaves FSDP's iteration state untouched. Test-side and user hooks keep running.
+leaves FSDP's iteration state untouched. Test-side and user hooks keep running. A grouped
+`fully_shard([a, b])` (TorchTitan groups the final norm with the output head) is one FSDP state
+with hooks on each of its modules: all of them are swapped, and the group unsharded once.
 
 Tensor parallelism needs nothing here: TP modules keep their DTensor parameters and their TP
 hooks, whose collectives line up because every rank of the TP group replays the same module at
@@ -26,11 +28,17 @@ the same step; signatures read the local TP shards, which are equal across data-
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List, Sequence, Tuple
 
 from torch import nn
 
-from lm_resiliency._torch_compat import fsdp_grouped_modules, fsdp_param_groups, swap_fsdp_forward_hooks
+from lm_resiliency._torch_compat import (
+    fsdp_cast_hook,
+    fsdp_forward_hook_slots,
+    fsdp_grouped_modules,
+    fsdp_param_groups,
+    fsdp_state,
+)
 
 
 class ShardedReplayError(ValueError):
@@ -67,13 +75,24 @@ def fsdp_modules_for(root: nn.Module, path: str) -> List[nn.Module]:
     return owners
 
 
+def _shard_calls(modules: Sequence[nn.Module]) -> List[nn.Module]:
+    """One module per `fully_shard` call among `modules` (a grouped `fully_shard([a, b])`
+    covers several with one FSDP state)."""
+    calls: dict = {}
+    for module in modules:
+        calls.setdefault(id(fsdp_state(module)), module)
+    return list(calls.values())
+
+
 def check_replayable(modules: Sequence[nn.Module], path: str) -> None:
     """Raise ShardedReplayError for FSDP layouts `unsharded` cannot restore exactly."""
-    for module in modules:
-        grouped = fsdp_grouped_modules(module)
-        if grouped != (module,):
-            raise ShardedReplayError(f"{path!r} is covered by a grouped fully_shard([...]) of "
-                                     f"{len(grouped)} modules; SCOUT replays modules sharded one at a time")
+    for module in _shard_calls(modules):
+        covered = len(fsdp_grouped_modules(module))
+        slots = fsdp_forward_hook_slots(module)
+        if len(slots) != 2 * covered:
+            raise ShardedReplayError(f"{path!r}: FSDP's forward hooks of its {covered} module(s) were "
+                                     f"not found where fully_shard registers them ({len(slots)} of "
+                                     f"{2 * covered}); SCOUT cannot replay it without them firing")
 
 
 @contextlib.contextmanager
@@ -81,23 +100,25 @@ def unsharded(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Every FSDP module in `modules` unsharded, with its FSDP forward hooks reduced to their
     dtype casts; restored exactly on exit (see the module docstring). Collective over each
     module's FSDP mesh."""
-    groups = [group for module in modules for group in fsdp_param_groups(module)]
+    calls = _shard_calls(modules)
+    groups = [group for module in calls for group in fsdp_param_groups(module)]
     post_forward = [g for g in groups if g.is_sharded_post_forward]
     if post_forward:
         raise ShardedReplayError("an FSDP parameter group is in its post-forward resharded state (replay must run "
                                  "after backward, before optimizer.step())")
     was_sharded = [g.is_sharded for g in groups]
-    swapped = []
+    swapped: List[Tuple[dict, int, Any]] = []
     try:
-        for module in modules:
+        for module in calls:
             module.unshard()
-        for module in modules:
-            swapped.append((module, swap_fsdp_forward_hooks(module)))
+        for module in calls:
+            for hooks, hook_id, kind in fsdp_forward_hook_slots(module):
+                swapped.append((hooks, hook_id, hooks[hook_id]))
+                hooks[hook_id] = fsdp_cast_hook(module, kind)
         yield
     finally:
-        for module, (pre, post) in swapped:
-            swap_fsdp_forward_hooks(module, pre, post)
+        for hooks, hook_id, original in swapped:
+            hooks[hook_id] = original
         for group, sharded in zip(groups, was_sharded):
             if sharded and not group.is_sharded:
                 group.reshard()
-

@@ -62,3 +62,32 @@ def test_cli_opt_in_sigkill_resumes_bitwise_equal_and_newer_durable_load_is_refu
         assert resumed[rank]["first_step"] == 5, f"rank {rank} resumed at step {resumed[rank]['first_step']}"
         assert resumed[rank]["state"]["step"] == baseline[rank]["state"]["step"] == 6
         assert_same(resumed[rank]["state"], baseline[rank]["state"], f"rank {rank}")
+
+
+@pytest.mark.slow  # three 4-rank TorchTitan launches: 10-16 minutes on 2 loaded cores
+@pytest.mark.timeout(3000)
+def test_dp2_tp2_sigkill_resumes_bitwise_equal_with_scout_on(tmp_path):
+    """DP 2 x TP 2 (FSDP2 over dp_shard, TorchTitan's TP plan) on 4 gloo ranks, lm-resiliency and SCOUT
+    switched on from the command line: SIGKILL at step 6, the relaunch resumes from GEMINI step 4 and
+    ends bitwise equal to an uninterrupted run without lm-resiliency; SCOUT replays among the
+    data-parallel ranks of one TP coordinate, and its check at step 6 blames no rank."""
+    from tests.frameworks.torchtitan_workloads import kill_then_resume
+
+    folder, base = str(tmp_path / "run"), str(tmp_path / "base")
+    killed = run_ranks(kill_then_resume, 4, folder, "kill", 2, True, timeout=1200, init=False, env=_env(),
+                       check=False)
+    assert [o.killed_by for o in killed] == [signal.SIGKILL] * 4, [o.error for o in killed]
+    resumed = run_ranks(kill_then_resume, 4, folder, "resume", 2, True, timeout=1200, init=False, env=_env())
+    baseline = run_ranks(kill_then_resume, 4, base, "baseline", 2, timeout=1200, init=False, env=_env())
+    for rank in range(4):
+        assert resumed[rank]["recovered_from"] == "gemini"
+        assert resumed[rank]["first_step"] == 5, f"rank {rank} resumed at step {resumed[rank]['first_step']}"
+        assert resumed[rank]["peers"] == ([0, 2] if rank % 2 == 0 else [1, 3])
+        verdicts = resumed[rank]["verdicts"]
+        assert resumed[rank]["check_step"] == 6 and verdicts["embedding"][1] == "clean", verdicts
+        # A TP leaf linear (the output check's rotation) fails to replay alone: its parent's TP hook
+        # turns its input into a DTensor. That is "error" (no evidence), never a verdict on a rank.
+        assert all(v == "clean" or (v == "error" and check == "output") for check, (_, v) in verdicts.items()), \
+            verdicts
+        assert resumed[rank]["state"]["step"] == baseline[rank]["state"]["step"] == 6
+        assert_same(resumed[rank]["state"], baseline[rank]["state"], f"rank {rank}")

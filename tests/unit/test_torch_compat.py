@@ -49,15 +49,21 @@ def _on_real_objects(rank, world):
     groups = compat.fsdp_param_groups(layer)
     assert groups and all(hasattr(g, "is_sharded") and callable(g.reshard) for g in groups), \
         _fail("FSDPState._fsdp_param_groups")
-    pre, post = layer._forward_pre_hooks.copy(), layer._forward_hooks.copy()
-    replaced = compat.swap_fsdp_forward_hooks(layer)
-    assert replaced[0] in pre.values() and replaced[1] in post.values(), \
+    slots = compat.fsdp_forward_hook_slots(layer)
+    assert sorted(kind for _, _, kind in slots) == ["post", "pre"], \
         _fail("FSDPState._pre/_post_forward_hook_handle ids in the module's hook dicts")
+    pre, post = layer._forward_pre_hooks.copy(), layer._forward_hooks.copy()
+    for hooks, hook_id, kind in slots:
+        hooks[hook_id] = compat.fsdp_cast_hook(layer, kind)
     layer.unshard()
     x = torch.randn(3, 4)
     assert layer(x).shape == (3, 4)  # runs with only the dtype casts in FSDP's places
-    compat.swap_fsdp_forward_hooks(layer, *replaced)
-    assert layer._forward_pre_hooks == pre and layer._forward_hooks == post
+    layer._forward_pre_hooks.update(pre)
+    layer._forward_hooks.update(post)
+    grouped = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))
+    fully_shard([grouped[0], grouped[1]], mesh=mesh["dp"])  # TorchTitan's norm + output head
+    assert compat.fsdp_grouped_modules(grouped[0]) == (grouped[0], grouped[1]), _fail("FSDPState._modules")
+    assert len(compat.fsdp_forward_hook_slots(grouped[1])) == 4, _fail("_MultiHandle.handles")
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
