@@ -4,9 +4,10 @@ generation. See docs/torchrun.md."""
 
 from lm_resiliency.torchrun.backend import create_rendezvous_handler, get_rendezvous_handler_creator
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
+from lm_resiliency.torchrun.launch import TorchrunLaunchConfig
 from lm_resiliency.torchrun.worker import (TorchrunWorkerAdapter, TorchrunWorkerAdapterError, TorchrunWorkerContext,
                                            get_torchrun_worker_context)
 
 __all__ = ["create_rendezvous_handler", "get_rendezvous_handler_creator", "derive_torchrun_node_id",
            "TorchrunWorkerAdapter", "TorchrunWorkerAdapterError", "TorchrunWorkerContext",
-           "get_torchrun_worker_context"]
+           "get_torchrun_worker_context", "TorchrunLaunchConfig"]

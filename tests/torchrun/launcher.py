@@ -8,11 +8,14 @@ the agents' PYTHONPATH, so the checkout under test provides it without reinstall
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
 import sys
 from typing import Dict, List, Optional
+
+from lm_resiliency.integrations.torchrun import TorchrunLaunchConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY_POINT = "lm_resiliency.torchrun.backend:get_rendezvous_handler_creator"
@@ -64,12 +67,12 @@ def free_port() -> int:
 
 def agent_command(*, run_id: str, endpoint: str, context: str, policy: Optional[str], nnodes: str,
                   nproc: int, max_restarts: int, module: str, args: List[str], store_type: str = "file") -> List[str]:
-    conf = f"store_type={store_type},lm_resiliency_restart_context_path={context}"
-    if policy is not None:
-        conf += f",lm_resiliency_worker_config={policy}"
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--rdzv-backend=lm_resiliency", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}", f"--rdzv-conf={conf}", "--monitor-interval=0.5", "--module", module, *args]
+    low, high = (int(n) for n in nnodes.split(":"))
+    config = TorchrunLaunchConfig(run_id=run_id, endpoint=endpoint, restart_context_path=context, min_nodes=low,
+                                  max_nodes=high, nproc_per_node=nproc, max_restarts=max_restarts,
+                                  store_type=store_type, worker_config=policy)
+    return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.5",
+            *config.arguments(["--module", module, *args])]
 
 
 def agent_env(base: str, machine_id: str, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -80,18 +83,38 @@ def agent_env(base: str, machine_id: str, extra: Optional[Dict[str, str]] = None
     return env
 
 
+def start_agent(command: List[str], env: Dict[str, str], log: str) -> subprocess.Popen:
+    """An agent in its own session (so `stop` ends it with its workers), output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+def finish(proc: subprocess.Popen, timeout: float, log: str) -> subprocess.CompletedProcess:
+    """Wait for an agent (killed, with its workers, after `timeout`); its exit code and log."""
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise AssertionError(f"torchrun agent did not finish within {timeout}s; log:\n{_tail(log)}") from None
+    return subprocess.CompletedProcess(proc.args, code, _tail(log, 400000), "")
+
+
 def run_agent(command: List[str], env: Dict[str, str], timeout: float, log: str) -> subprocess.CompletedProcess:
     """One agent to completion (killed, with its workers, after `timeout`)."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise AssertionError(f"torchrun agent did not finish within {timeout}s; log:\n{_tail(log)}") from None
-    return subprocess.CompletedProcess(command, code, _tail(log, 200000), "")
+    return finish(start_agent(command, env, log), timeout, log)
+
+
+def final_state(out_dir: str, restart_count: int) -> dict:
+    """What ddp_train.py's rank 0 wrote at the end of the generation `restart_count`."""
+    with open(os.path.join(out_dir, f"final-{restart_count}.json")) as f:
+        return json.load(f)
 
 
 def _tail(path: str, size: int = 6000) -> str:

@@ -1,0 +1,106 @@
+"""Real `python -m torch.distributed.run` agents under `--rdzv-backend=lm_resiliency`, with a DDP
+module that never imports lm_resiliency (tests/torchrun/ddp_train.py), gloo, one machine-id
+file per agent."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from tests.torchrun import launcher as L
+
+MODULE = "tests.torchrun.ddp_train"
+
+
+def _agent(base: str, run_id: str, *, name: str = "a", nnodes: str = "1:1", nproc: int = 3, max_restarts: int = 0,
+           module: str = MODULE, args=(), policy: str = "", machine: str = "", context: str = "",
+           extra_env=None):
+    command = L.agent_command(run_id=run_id, endpoint=os.path.join(base, "rdzv"),
+                              context=context or os.path.join(base, f"ctx-{name}", "context.json"),
+                              policy=policy or L.write_policy(base), nnodes=nnodes, nproc=nproc,
+                              max_restarts=max_restarts, module=module, args=list(args))
+    env = L.agent_env(base, L.machine_id_file(base, machine or name), extra_env)
+    return command, env
+
+
+def _run(base: str, name: str, timeout: float, **kwargs):
+    command, env = _agent(base, kwargs.pop("run_id"), name=name, **kwargs)
+    return L.run_agent(command, env, timeout, os.path.join(base, f"agent-{name}.log"))
+
+
+@pytest.mark.slow
+def test_worker_sigkill_restarts_the_node_on_the_last_capture_and_ends_bitwise_equal(tmp_path):
+    """One agent, 3 DDP workers, rank 1 SIGKILLed after step 7 (captures every 2 steps): the
+    next generation starts at step 6 from memory and ends bitwise equal to an uninterrupted run."""
+    base = str(tmp_path)
+    killed_out, clean_out = os.path.join(base, "killed"), os.path.join(base, "clean")
+    os.makedirs(killed_out)
+    os.makedirs(clean_out)
+    killed = _run(base, "killed", 400, run_id=f"kill-{uuid.uuid4().hex[:8]}", max_restarts=2,
+                  args=[killed_out, "12", "1", "7"])
+    assert killed.returncode == 0, killed.stdout[-8000:]
+    assert "generation 1, node slot 0 of 1: same-node restart, checkpoint step 6" in killed.stdout
+    assert "resumed run" in killed.stdout and "at step 6 from memory (pytorch/ddp)" in killed.stdout
+    assert os.listdir(killed_out) == ["final-1.json"]  # generation 0 never finished
+    clean = _run(base, "clean", 300, run_id=f"clean-{uuid.uuid4().hex[:8]}", args=[clean_out, "12"])
+    assert clean.returncode == 0, clean.stdout[-8000:]
+    resumed, baseline = L.final_state(killed_out, 1), L.final_state(clean_out, 0)
+    assert (resumed["start"], baseline["start"]) == (6, 0)
+    assert resumed["tensors"].keys() == baseline["tensors"].keys() and len(baseline["tensors"]) == 16
+    different = [name for name in baseline["tensors"] if resumed["tensors"][name] != baseline["tensors"][name]]
+    assert not different, f"not bitwise equal after the restart: {different}"
+
+
+def test_two_agents_with_one_machine_id_fail_closed(tmp_path):
+    base, run_id = str(tmp_path), f"dup-{uuid.uuid4().hex[:8]}"
+    command, env = _agent(base, run_id, name="first", nnodes="2:2", nproc=1, machine="same")
+    first = L.start_agent(command, env, os.path.join(base, "first.log"))
+    try:
+        second = _run(base, "second", 120, run_id=run_id, nnodes="2:2", nproc=1, machine="same")
+    finally:
+        L.stop(first)
+    assert second.returncode != 0
+    assert "is already registered in run" in second.stdout and "two agents share one machine id" in second.stdout
+
+
+def test_policy_digest_mismatch_between_nodes_fails_closed(tmp_path):
+    base, run_id = str(tmp_path), f"pol-{uuid.uuid4().hex[:8]}"
+    command, env = _agent(base, run_id, name="first", nnodes="2:2", nproc=1)
+    first = L.start_agent(command, env, os.path.join(base, "first.log"))
+    other = L.write_policy(base, L.POLICY.format(disk=os.path.join(base, "disk")).replace("interval = 2",
+                                                                                          "interval = 3"), "other.toml")
+    try:
+        second = _run(base, "second", 120, run_id=run_id, nnodes="2:2", nproc=1, policy=other)
+    finally:
+        L.stop(first)
+    assert second.returncode != 0
+    assert "worker policy digest" in second.stdout and "differs from the one run" in second.stdout
+
+
+def test_group_readable_restart_context_dir_fails_closed_before_any_worker(tmp_path):
+    base = str(tmp_path)
+    shared = os.path.join(base, "shared-ctx")
+    os.makedirs(shared)
+    os.chmod(shared, 0o755)
+    out = os.path.join(base, "out")
+    os.makedirs(out)
+    result = _run(base, "a", 120, run_id=f"perm-{uuid.uuid4().hex[:8]}", nproc=1,
+                  context=os.path.join(shared, "context.json"), args=[out, "2"])
+    assert result.returncode != 0
+    assert "has mode 0755: group/other access is not allowed" in result.stdout
+    assert os.listdir(out) == [] and os.stat(shared).st_mode & 0o777 == 0o755
+
+
+def test_two_higher_level_frameworks_imported_fail_closed_in_the_worker(tmp_path):
+    base = str(tmp_path)
+    policy = L.write_policy(base, 'schema_version = 1\nadapter = "tests.torchrun.custom_adapter:factory"\n',
+                            "custom.toml")
+    result = _run(base, "a", 180, run_id=f"fw-{uuid.uuid4().hex[:8]}", nproc=1, policy=policy,
+                  module="tests.torchrun.two_frameworks", extra_env={"TEST_ADAPTER_OUT": base})
+    assert result.returncode != 0
+    assert "TorchTitan and DeepSpeed are both imported" in result.stdout
+    # The custom adapter was installed before the user module ran, with this generation's context.
+    with open(os.path.join(base, "installed-0.json")) as f:
+        assert f.read() == '{"generation": 0, "slot": 0, "step": 0, "same": true}'
