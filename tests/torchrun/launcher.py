@@ -39,6 +39,10 @@ def machine_id_file(base: str, name: str) -> str:
     return path
 
 
+def read_log(path: str) -> str:
+    return _tail(path, 400000)
+
+
 def write_policy(base: str, text: str = "", name: str = "worker.toml") -> str:
     path = os.path.join(base, name)
     with open(path, "w") as f:
@@ -66,11 +70,12 @@ def free_port() -> int:
 
 
 def agent_command(*, run_id: str, endpoint: str, context: str, policy: Optional[str], nnodes: str,
-                  nproc: int, max_restarts: int, module: str, args: List[str], store_type: str = "file") -> List[str]:
+                  nproc: int, max_restarts: int, module: str, args: List[str], store_type: str = "file",
+                  rdzv_conf: Optional[Dict[str, str]] = None) -> List[str]:
     low, high = (int(n) for n in nnodes.split(":"))
     config = TorchrunLaunchConfig(run_id=run_id, endpoint=endpoint, restart_context_path=context, min_nodes=low,
                                   max_nodes=high, nproc_per_node=nproc, max_restarts=max_restarts,
-                                  store_type=store_type, worker_config=policy)
+                                  store_type=store_type, worker_config=policy, rdzv_conf=rdzv_conf or {})
     return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.5",
             *config.arguments(["--module", module, *args])]
 
@@ -112,7 +117,7 @@ def run_agent(command: List[str], env: Dict[str, str], timeout: float, log: str)
 
 
 def final_state(out_dir: str, restart_count: int) -> dict:
-    """What ddp_train.py's rank 0 wrote at the end of the generation `restart_count`."""
+    """What examples/torchrun_ddp.py's rank 0 wrote at the end of the generation `restart_count`."""
     with open(os.path.join(out_dir, f"final-{restart_count}.json")) as f:
         return json.load(f)
 

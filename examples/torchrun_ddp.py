@@ -1,11 +1,16 @@
-"""A DDP training module that never imports lm_resiliency (the zero-import torchrun workload).
+"""A plain DDP training module that never imports lm_resiliency: under
+`torchrun --rdzv-backend=lm_resiliency` with a worker policy it gets GEMINI with zero code
+changes (docs/torchrun.md has the command).
 
-    python -m torch.distributed.run ... --module tests.torchrun.ddp_train OUT_DIR STEPS [KILL_RANK KILL_STEP]
+    torchrun ... --module examples.torchrun_ddp OUT_DIR STEPS [KILL_RANK KILL_STEP [agent]]
 
-Starts at LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP (the bootstrap loads that step's state at the
-first DDP forward). Batch i is a pure function of (i, rank). In the first generation, global rank
-KILL_RANK SIGKILLs itself after optimizer step KILL_STEP. Rank 0 writes OUT_DIR/final.json: the
-bytes of every parameter and optimizer tensor, hex, and the step it started from.
+The loop starts at LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP, the step the rendezvous selected (the
+bootstrap loads that step's model and optimizer state at the first DDP forward); batch i is a
+pure function of (i, rank), so a resumed run sees the data it would have seen. Rank 0 writes
+OUT_DIR/final-<restart count>.json: the bytes of every parameter and optimizer tensor (hex) and
+the step it started from. Fault knobs for the tests: in a generation that started fresh, global rank
+KILL_RANK SIGKILLs itself after optimizer step KILL_STEP ("agent": its torchrun agent first, so
+the whole node is gone).
 """
 
 import json
@@ -21,6 +26,7 @@ from torch import nn
 def main() -> None:
     out_dir, steps = sys.argv[1], int(sys.argv[2])
     kill_rank, kill_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, -1)
+    kill_agent = sys.argv[5:6] == ["agent"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -28,7 +34,6 @@ def main() -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
     start = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
-    first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     for step in range(start, steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(5, 8, generator=generator)
@@ -36,7 +41,9 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if first_generation and rank == kill_rank and step + 1 == kill_step:
+        if start == 0 and rank == kill_rank and step + 1 == kill_step:
+            if kill_agent:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         tensors = {f"param/{name}": p for name, p in model.named_parameters()}
