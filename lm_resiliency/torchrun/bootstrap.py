@@ -68,8 +68,19 @@ class _ImportWatch(importlib.abc.MetaPathFinder):
             original(module)
             callback(module)
 
-        loader.exec_module = exec_module
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this loader instance only
         return spec
+
+
+def _after_init(cls: Any, callback: Callable[[Any], None]) -> None:
+    """Call `callback(obj)` after every `cls(...)` construction, subclasses' included."""
+    original = cls.__init__
+
+    def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
+        original(obj, *args, **kwargs)
+        callback(obj)
+
+    cls.__init__ = __init__
 
 
 class WorkerBootstrap:
@@ -90,7 +101,8 @@ class WorkerBootstrap:
     # ----------------------------------------------------------------- imports
 
     def install(self) -> None:
-        after = {_DDP_MODULE: self._patch_ddp, _OPTIM_MODULE: self._patch_optimizer, _DIST_MODULE: self._patch_dist}
+        after: Dict[str, Callable[[Any], None]] = {
+            _DDP_MODULE: self._patch_ddp, _OPTIM_MODULE: self._patch_optimizer, _DIST_MODULE: self._patch_dist}
         for name in list(HIGHER_LEVEL):
             if name in sys.modules:
                 self._note_framework(name)
@@ -132,26 +144,10 @@ class WorkerBootstrap:
     # -------------------------------------------------------- construction hooks
 
     def _patch_ddp(self, module: Any) -> None:
-        cls = module.DistributedDataParallel
-        original = cls.__init__
-        bootstrap = self
-
-        def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
-            original(ddp, *args, **kwargs)
-            bootstrap._note_model(ddp)
-
-        cls.__init__ = __init__
+        _after_init(module.DistributedDataParallel, self._note_model)
 
     def _patch_optimizer(self, module: Any) -> None:
-        cls = module.Optimizer
-        original = cls.__init__
-        optimizers = self.optimizers
-
-        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            original(optimizer, *args, **kwargs)
-            optimizers.add(optimizer)
-
-        cls.__init__ = __init__
+        _after_init(module.Optimizer, self.optimizers.add)
 
     def _patch_dist(self, module: Any) -> None:
         original = module.destroy_process_group
@@ -162,7 +158,7 @@ class WorkerBootstrap:
             return original(*args, **kwargs)
 
         module.destroy_process_group = destroy_process_group
-        dist = sys.modules.get("torch.distributed")
+        dist: Any = sys.modules.get("torch.distributed")
         if dist is not None and getattr(dist, "destroy_process_group", None) is original:
             dist.destroy_process_group = destroy_process_group
 

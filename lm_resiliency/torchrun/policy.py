@@ -45,8 +45,10 @@ def policy_digest(data: bytes) -> str:
 def parse_policy(path: str, data: bytes, expected_digest: Optional[str] = None) -> WorkerPolicy:
     """Validate `data` (the bytes of `path`). With `expected_digest` (the one agreed at
     rendezvous) the bytes must hash to it first. Every error is a ConfigError naming the field."""
-    import tomllib
-
+    try:
+        import tomllib  # type: ignore[import-not-found, unused-ignore]  # Python 3.11+
+    except ImportError:
+        raise ConfigError(f"worker policy {path}: reading TOML needs Python 3.11+ (tomllib)") from None
     digest = policy_digest(data)
     if expected_digest is not None and digest != expected_digest:
         raise ConfigError(f"worker policy {path}: its contents changed since rendezvous (digest {digest[:12]}, "

@@ -3,6 +3,7 @@ worker-adapter contract custom stacks implement."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
@@ -19,23 +20,14 @@ class TorchrunWorkerAdapterError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class TorchrunWorkerContext:
-    """This worker's generation: run identity, hashed node id, local width, generation, logical
-    node slot, topology digest and the checkpoint the rendezvous selected for it
-    (`checkpoint_source` "none": start fresh; "gemini": load exactly `checkpoint_step`)."""
+class TorchrunWorkerContext(ctx.RestartContext):
+    """This worker's generation: run identity, hashed node id, local rank and width, generation,
+    logical node slot, node count, topology digest, policy digest and the checkpoint the
+    rendezvous selected for it (`checkpoint_source` "none": start fresh; "gemini": load exactly
+    `checkpoint_step`), and why (`decision`)."""
 
-    run_id: str
-    node_id: str
     local_rank: int
     local_world_size: int
-    generation: int
-    slot: int
-    nodes: int
-    topology_digest: str
-    policy_digest: Optional[str]
-    checkpoint_step: int
-    checkpoint_source: str
-    decision: str
     context_path: str
 
 
@@ -80,12 +72,8 @@ def load_worker_context(environ: Optional[Mapping[str, str]] = None) -> Torchrun
     if world_size != context.nodes * local_world_size:
         raise TorchrunWorkerAdapterError(f"WORLD_SIZE={world_size} is not {context.nodes} nodes x LOCAL_WORLD_SIZE="
                                          f"{local_world_size}: the generation's topology changed")
-    return TorchrunWorkerContext(
-        run_id=context.run_id, node_id=context.node_id, local_rank=_env_int(env, "LOCAL_RANK"),
-        local_world_size=local_world_size, generation=context.generation, slot=context.slot, nodes=context.nodes,
-        topology_digest=context.topology_digest, policy_digest=context.policy_digest,
-        checkpoint_step=context.checkpoint_step, checkpoint_source=context.checkpoint_source,
-        decision=context.decision, context_path=path)
+    return TorchrunWorkerContext(**dataclasses.asdict(context), local_rank=_env_int(env, "LOCAL_RANK"),
+                                 local_world_size=local_world_size, context_path=path)
 
 
 def get_torchrun_worker_context() -> TorchrunWorkerContext:

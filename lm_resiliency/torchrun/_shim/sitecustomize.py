@@ -12,7 +12,7 @@ def _run_shadowed_sitecustomize() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
     this = sys.modules.pop("sitecustomize")
     try:
-        import sitecustomize  # noqa: F401 - the next one on sys.path, if any
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the next one on sys.path, if any
     except ModuleNotFoundError as exc:
         if exc.name != "sitecustomize":
             raise
