@@ -31,11 +31,11 @@ def _bootstrap(directory: str, rank: int, world_size: int, step: int = 0, source
     return bootstrap
 
 
-def _train(rank: int, world_size: int, directory: str, optimizers: int, steps: int):
+def _train(rank: int, world_size: int, directory: str, optimizers: int, steps: int, selected: int = -1):
     import torch
     from torch import nn
 
-    bootstrap = _bootstrap(directory, rank, world_size)
+    bootstrap = _bootstrap(directory, rank, world_size, max(selected, 0), "gemini" if selected >= 0 else "none")
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -72,11 +72,21 @@ def test_two_optimizers_fail_closed_on_every_rank_before_attaching(tmp_path):
     assert not any(name.startswith("worker-") for name in os.listdir(tmp_path))
 
 
+KEEP = {"LM_RESILIENCY_KEEP_SHARED_MEMORY": "1"}  # slots outlive the workers, as under a restarting supervisor
+
+
+def test_only_the_selected_step_is_loaded(tmp_path):
+    # The first run captures steps 2 and 4 under a stable run id and keeps them in shared memory.
+    assert run_ranks(_train, 3, str(tmp_path), 1, 5, timeout=240, env=KEEP) == [5, 5, 5]
+    # A step that was never captured is not replaced by the newest one (4): nothing is loaded.
+    for result in run_ranks(_train, 3, str(tmp_path), 1, 1, 3, timeout=240, env=KEEP):
+        assert result.startswith("RecoveryUnavailable: GEMINI step 3 was selected for recovery but is not loadable")
+    # The selected older step (2) is loaded exactly, although 4 is newer; training goes on from it.
+    assert run_ranks(_train, 3, str(tmp_path), 1, 1, 2, timeout=240, env=KEEP) == [3, 3, 3]
+
+
 def test_state_the_agents_did_not_select_is_refused(tmp_path):
-    # First run captures steps 2 and 4 under a stable run id; a "fresh" generation of that run
-    # finds GEMINI state the agents know nothing about and stops instead of resuming it.
-    keep = {"LM_RESILIENCY_KEEP_SHARED_MEMORY": "1"}  # as a supervisor that restarts workers would
-    assert run_ranks(_train, 3, str(tmp_path), 1, 5, timeout=240, env=keep) == [5, 5, 5]
-    results = run_ranks(_train, 3, str(tmp_path), 1, 1, timeout=240)
-    for result in results:
+    assert run_ranks(_train, 3, str(tmp_path), 1, 5, timeout=240, env=KEEP) == [5, 5, 5]
+    # A "fresh" generation of the same run finds GEMINI state no agent recorded: it stops.
+    for result in run_ranks(_train, 3, str(tmp_path), 1, 1, timeout=240, env=KEEP):
         assert "GEMINI resumed step 4" in result and "selected a fresh start" in result
