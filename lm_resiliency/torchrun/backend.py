@@ -21,7 +21,7 @@ import logging
 import os
 import uuid
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
@@ -170,13 +170,3 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         return self._inner.shutdown()
-
-
-def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The `lm_resiliency` rendezvous handler for `params` (what torchrun calls)."""
-    return LMResiliencyRendezvousHandler(params)
-
-
-def get_rendezvous_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The `torchrun.handlers` entry point: returns the creator torch registers as `lm_resiliency`."""
-    return create_rendezvous_handler

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from lm_resiliency.integrations.torchrun import TorchrunLaunchConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENTRY_POINT = "lm_resiliency.torchrun.backend:get_rendezvous_handler_creator"
+ENTRY_POINT = "lm_resiliency.torchrun.plugin:get_rendezvous_handler_creator"
 
 
 def plugin_path(base: str) -> str:

@@ -4,6 +4,8 @@ agreement, restart-context permissions and standby parking, over torch's real Fi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,7 +20,7 @@ from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.backend import LMResiliencyRendezvousHandler, RendezvousRefused
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id, read_machine_id
 from lm_resiliency.integrations.torchrun import create_rendezvous_handler, get_rendezvous_handler_creator
-from tests.torchrun.launcher import POLICY, machine_id_file
+from tests.torchrun.launcher import POLICY, ROOT, machine_id_file, plugin_path
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +50,20 @@ def _use_machine(tmp_path, name: str) -> None:
     os.environ["LM_RESILIENCY_MACHINE_ID_PATH"] = machine_id_file(str(tmp_path), name)
 
 
+def test_the_entry_point_module_loads_before_torchs_rendezvous_package(tmp_path):
+    # torch imports the entry point while its rendezvous package initializes; importing the
+    # stable module first must not make that import circular (the plugin registers, no warning).
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+            "import lm_resiliency.integrations.torchrun\n"
+            "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
+            "print(r._registry['lm_resiliency'].__module__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([plugin_path(str(tmp_path)), ROOT]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "lm_resiliency.torchrun.plugin"
+    assert "Exception while registering out of tree plugin" not in done.stderr
+
+
 def test_node_id_is_a_stable_hash_of_the_machine_id(tmp_path):
     _use_machine(tmp_path, "a")
     raw = read_machine_id()
@@ -68,7 +84,7 @@ def test_registered_through_torchs_registry_under_its_own_name(tmp_path):
     _use_machine(tmp_path, "a")
     creator = get_rendezvous_handler_creator()
     assert creator is create_rendezvous_handler
-    rendezvous_handler_registry.register("lm_resiliency", creator)
+    rendezvous_handler_registry.register("lm_resiliency", creator)  # what torch does with the entry point
     handler = get_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex))
     assert isinstance(handler, LMResiliencyRendezvousHandler)
     assert handler.get_backend() == "lm_resiliency"

@@ -110,30 +110,38 @@ def test_a_killed_active_node_is_replaced_by_the_parked_standby_bitwise(tmp_path
     assert not different, f"not bitwise equal after the replacement: {different}"
 
 
-def test_two_agents_with_one_machine_id_fail_closed(tmp_path):
-    base, run_id = str(tmp_path), f"dup-{uuid.uuid4().hex[:8]}"
-    command, env = _agent(base, run_id, name="first", nnodes="2:2", nproc=1, machine="same")
-    first = L.start_agent(command, env, os.path.join(base, "first.log"))
+def _refused_agent(base: str, run_id: str, policies, machines, timeout: float = 150):
+    """Start two agents of a 2-node run; whichever registers second must stop on its own. Returns
+    its log (the other one, left waiting for a second node, is stopped)."""
+    procs = {}
     try:
-        second = _run(base, "second", 120, run_id=run_id, nnodes="2:2", nproc=1, machine="same")
+        for name, policy, machine in zip(("first", "second"), policies, machines):
+            command, env = _agent(base, run_id, name=name, nnodes="2:2", nproc=1, policy=policy, machine=machine)
+            procs[name] = L.start_agent(command, env, os.path.join(base, f"{name}.log"))
+        deadline = time.monotonic() + timeout
+        while all(proc.poll() is None for proc in procs.values()):
+            assert time.monotonic() < deadline, "neither agent stopped"
+            time.sleep(0.5)
     finally:
-        L.stop(first)
-    assert second.returncode != 0
-    assert "is already registered in run" in second.stdout and "two agents share one machine id" in second.stdout
+        for proc in procs.values():
+            L.stop(proc)
+    exited = [name for name, proc in procs.items() if proc.returncode not in (None, -9)]
+    assert len(exited) == 1 and procs[exited[0]].returncode != 0, {n: p.returncode for n, p in procs.items()}
+    return L.read_log(os.path.join(base, f"{exited[0]}.log"))
+
+
+def test_two_agents_with_one_machine_id_fail_closed(tmp_path):
+    base = str(tmp_path)
+    log = _refused_agent(base, f"dup-{uuid.uuid4().hex[:8]}", ("", ""), ("same", "same"))
+    assert "is already registered in run" in log and "two agents share one machine id" in log
 
 
 def test_policy_digest_mismatch_between_nodes_fails_closed(tmp_path):
-    base, run_id = str(tmp_path), f"pol-{uuid.uuid4().hex[:8]}"
-    command, env = _agent(base, run_id, name="first", nnodes="2:2", nproc=1)
-    first = L.start_agent(command, env, os.path.join(base, "first.log"))
+    base = str(tmp_path)
     other = L.write_policy(base, L.POLICY.format(disk=os.path.join(base, "disk")).replace("interval = 2",
                                                                                           "interval = 3"), "other.toml")
-    try:
-        second = _run(base, "second", 120, run_id=run_id, nnodes="2:2", nproc=1, policy=other)
-    finally:
-        L.stop(first)
-    assert second.returncode != 0
-    assert "worker policy digest" in second.stdout and "differs from the one run" in second.stdout
+    log = _refused_agent(base, f"pol-{uuid.uuid4().hex[:8]}", ("", other), ("first", "second"))
+    assert "worker policy digest" in log and "differs from the one run" in log
 
 
 def test_group_readable_restart_context_dir_fails_closed_before_any_worker(tmp_path):
