@@ -165,19 +165,28 @@ class ResiliencySession:
 
     # ---------------------------------------------------------------- recovery
 
-    def recover(self) -> Optional[int]:
+    def recover(self, step: Optional[int] = None) -> Optional[int]:
         """Collective: load the newest state every rank can load, else call `load_fallback`.
         Sets and returns `step_count` (None when starting fresh). Rank 0 logs one WARNING-level
         line saying which (so it shows with Python's default logging): "resumed run X at step N
-        from memory / peer memory / disk / peer disk / fallback", or "started fresh: <why>"."""
+        from memory / peer memory / disk / peer disk / fallback", or "started fresh: <why>".
+        With `step` (a step a manager selected), exactly that GEMINI step is loaded, or
+        RecoveryUnavailable is raised: no other step, no fallback."""
+        exact = step
         step = None
         verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
             self.ledger is not None and self.ledger.requires_verified_recovery)
+        if exact is not None and self.manager is None:
+            raise RecoveryUnavailable(f"step {exact} was selected for recovery, but GEMINI checkpointing is off")
         if self.manager is not None:
             # GEMINI's transfers are not training collectives for SCOUT's hang rule; the recovery
             # shows as one checkpoint read instead (its own stall threshold; ending it is progress).
             with self.checkpoint_io("read", name="gemini_recovery"):
-                step = self._find_verified() if verified_only else self.manager.find_latest()
+                if exact is not None:
+                    allowed = self.ledger.verified_steps() if verified_only and self.ledger is not None else None
+                    step = self.manager.find_latest(step=exact, allowed_steps=allowed)
+                else:
+                    step = self._find_verified() if verified_only else self.manager.find_latest()
                 state = self.manager.load() if step is not None else None
         if verified_only and step is None:
             step = self._recover_verified_durable()

@@ -2,7 +2,7 @@
 
 Layers, highest first; a module may import its own layer or lower ones, never a higher one:
 
-    surface   lm_resiliency (root), api, integrations.*, experimental, callbacks.*
+    surface   lm_resiliency (root), api, integrations.*, experimental, callbacks.*, torchrun.*
     adapters  adapters.*
     session   session, attach, adapter (the framework contract), cleanup, faults.*
     engine    gemini.*, scout.*, trust.*, manager_api.*  (gemini, scout and trust never import
@@ -30,6 +30,7 @@ LAYERS = ("core", "engine", "session", "adapters", "surface")
 _PREFIXES = (
     ("lm_resiliency.callbacks", "surface"), ("lm_resiliency.integrations", "surface"),
     ("lm_resiliency.api", "surface"), ("lm_resiliency.experimental", "surface"),
+    ("lm_resiliency.torchrun", "surface"),
     ("lm_resiliency.adapters", "adapters"),
     ("lm_resiliency.session", "session"), ("lm_resiliency.attach", "session"),
     ("lm_resiliency.adapter", "session"), ("lm_resiliency.cleanup", "session"),

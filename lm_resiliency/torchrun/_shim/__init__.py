@@ -1,0 +1,1 @@
+"""The directory the torchrun backend puts first on workers' PYTHONPATH (its sitecustomize)."""
