@@ -33,6 +33,7 @@ from torch import nn
 
 from lm_resiliency import wire
 from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
+from lm_resiliency.wrappers import persistent_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,6 @@ def leaf_optimizers(optimizer: Any) -> List[Any]:
     chained = getattr(optimizer, "chained_optimizers", None)
     return list(chained) if chained is not None else [optimizer]
 
-
-def _persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
-    out = {}
-    for prefix, sub in module.named_modules():
-        for name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
-    return out
 
 
 def _main_params(leaf: Any) -> List[torch.Tensor]:
@@ -181,7 +174,7 @@ class MegatronAdapter(HookFactoryAdapter):
             # Parameters change only in optimizer.step(), after GEMINI's maybe_wait(); buffers may
             # change in the forward that runs while the copy is in flight, so they are cloned.
             chunks.append({"params": {name: p.detach() for name, p in module.named_parameters()},
-                           "buffers": {name: b.detach().clone() for name, b in _persistent_buffers(module).items()}})
+                           "buffers": {name: b.detach().clone() for name, b in persistent_buffers(module).items()}})
         optimizers = []
         for leaf, aliased in zip(self.leaves, self._aliased):
             inner = leaf.optimizer
@@ -219,7 +212,7 @@ class MegatronAdapter(HookFactoryAdapter):
             for module, saved in zip(self.model_chunks, state["model_chunks"]):
                 for name, p in module.named_parameters():
                     p.copy_(saved["params"][name])
-                for name, b in _persistent_buffers(module).items():
+                for name, b in persistent_buffers(module).items():
                     b.copy_(saved["buffers"][name])
             for leaf, saved in zip(self.leaves, state["optimizers"]):
                 for target, value in zip(_main_params(leaf), saved["main_params"]):
@@ -279,6 +272,6 @@ def _check_tensors(what: str, live: Dict[Any, Optional[torch.Tensor]], saved: An
 
 
 def _check_chunk(module: nn.Module, saved: Any) -> None:
-    live = {"parameters": dict(module.named_parameters()), "buffers": _persistent_buffers(module)}
+    live = {"parameters": dict(module.named_parameters()), "buffers": persistent_buffers(module)}
     for kind, key in (("parameters", "params"), ("buffers", "buffers")):
         _check_tensors(f"model chunk {kind}", live[kind], saved.get(key) if isinstance(saved, dict) else None)

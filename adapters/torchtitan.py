@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
+from lm_resiliency.wrappers import persistent_buffers
 from lm_resiliency.adapters.pytorch import rewrap_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,6 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     to_local = getattr(value, "to_local", None)
     return to_local() if callable(to_local) else value
 
-
-def _persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
-    out = {}
-    for prefix, sub in module.named_modules():
-        for name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
-    return out
 
 
 def _stateful_loader_class() -> Any:
@@ -165,7 +158,7 @@ class TorchTitanAdapter(HookFactoryAdapter):
             # Parameters change only in optimizers.step(), after GEMINI's maybe_wait(); buffers may
             # change in the forward that runs while the copy is in flight, so they are cloned.
             params = {name: _local(p).detach() for name, p in module.named_parameters()}
-            buffers = {name: _local(b).detach().clone() for name, b in _persistent_buffers(module).items()}
+            buffers = {name: _local(b).detach().clone() for name, b in persistent_buffers(module).items()}
             parts.append({"params": params, "buffers": buffers})
         return {
             "model_parts": parts,
@@ -188,7 +181,7 @@ class TorchTitanAdapter(HookFactoryAdapter):
             for module, saved in zip(self.model_parts, state["model_parts"]):
                 for name, p in module.named_parameters():
                     _local(p).copy_(saved["params"][name])
-                for name, b in _persistent_buffers(module).items():
+                for name, b in persistent_buffers(module).items():
                     _local(b).copy_(saved["buffers"][name])
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(rewrap_optimizer_state(optimizer, saved))
@@ -202,7 +195,7 @@ class TorchTitanAdapter(HookFactoryAdapter):
     @staticmethod
     def _check_part(module: nn.Module, saved: Dict[str, Any]) -> None:
         live = {"params": {n: _local(p) for n, p in module.named_parameters()},
-                "buffers": {n: _local(b) for n, b in _persistent_buffers(module).items()}}
+                "buffers": {n: _local(b) for n, b in persistent_buffers(module).items()}}
         for kind, tensors in live.items():
             got = saved.get(kind) if isinstance(saved, dict) else None
             names = set(got) if isinstance(got, dict) else set()

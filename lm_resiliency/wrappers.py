@@ -2,13 +2,15 @@
 
 DistributedDataParallel and DataParallel hold the user's module as `module` (their state_dict
 keys gain `module.`); torch.compile's OptimizedModule holds it as `_orig_mod` (`_orig_mod.`).
-They nest in any order (`torch.compile(DDP(m))`, `DDP(torch.compile(m))`)."""
+They nest in any order (`torch.compile(DDP(m))`, `DDP(torch.compile(m))`). Also the module's
+persistent buffers, which every adapter that captures module by module needs."""
 
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
+import torch
 from torch import nn
 
 
@@ -42,3 +44,14 @@ def find_ddp(model: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
         if isinstance(wrapper, nn.parallel.DistributedDataParallel):
             return wrapper
     return None
+
+
+def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """`module`'s buffers that its state_dict holds (non-persistent ones, e.g. rotary caches a
+    framework rebuilds, are left out), by qualified name."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
