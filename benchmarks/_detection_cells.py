@@ -32,8 +32,10 @@ SURFACES = ("output", "parameter", "gradient", "optimizer_state")
 POSITIONS = {"first": "embed", "middle": "layers.1", "final_norm": "norm", "head": "head"}
 LIFETIMES = {"recurring": 5, "at_check": 2 * INTERVAL, "between_checks": 2 * INTERVAL - 2}
 FRAMEWORKS = ("ddp", "fsdp2")
-STRAGGLERS = {"start_2x": ("process", "", 1.0), "start_5x": ("process", "", 4.0),
-              "layer_5x": ("output", "layers.1", 4.0)}   # (surface, module, delay in WORK_S)
+# (surface, module, delay in WORK_S): a step's forward is WORK_S plus 5 to 20 ms of real compute on
+# the loaded 2-core machine, so a start-of-step delay of 1.5 WORK_S makes the rank about 2x slower.
+STRAGGLERS = {"start_2x": ("process", "", 1.5), "start_5x": ("process", "", 5.0),
+              "layer_5x": ("output", "layers.1", 4.0)}
 
 # The fault kit's tensor-corruption parameters of each kind: one element of the tensor.
 _KIND_PARAMETERS = {
@@ -171,6 +173,17 @@ def _dedupe(reports: Iterable[dict]) -> List[dict]:
     return list(seen.values())
 
 
+def slowdown(cell: dict, ranks: List[dict]) -> Optional[float]:
+    """A straggler's realized slowdown: its median forward time from the onset on over the
+    median of its peers' (the forward holds the start-of-step and middle-block delays)."""
+    if cell["class"] != "straggler" or not all(r.get("forward_s") for r in ranks):
+        return None
+    since = slice(STRAGGLER_ONSET - 1, None)
+    own = statistics.median(ranks[cell["faulty"]]["forward_s"][since])
+    peers = statistics.median(t for i, r in enumerate(ranks) if i != cell["faulty"] for t in r["forward_s"][since])
+    return round(own / peers, 2)
+
+
 def score(cell: dict, ranks: List[dict]) -> dict:
     """One trial from every rank's result (`reports`, `injections`, `state`, `plan`).
 
@@ -179,11 +192,12 @@ def score(cell: dict, ranks: List[dict]) -> dict:
     differed: nothing to detect), not_injected (the kit recorded no injection), or clean.
     false_reports: deduplicated reports that name another rank, a group, or the wrong kind.
     latency: steps from the onset to the first hit (stragglers: checks, onset's included;
-    hangs: seconds from the hang's start)."""
+    hangs: seconds from the hang's start). slowdown: a straggler's realized slowdown."""
     reports = _dedupe(r for result in ranks for r in result["reports"])
     kind = expected_kind(cell)
     hits = [r for r in reports if kind is not None and r["kind"] == kind and r["ranks"] == [cell["faulty"]]]
-    out: Dict[str, Any] = {"false_reports": [r for r in reports if r not in hits], "latency": None, "reason": None}
+    out: Dict[str, Any] = {"false_reports": [r for r in reports if r not in hits], "latency": None, "reason": None,
+                           "slowdown": slowdown(cell, ranks)}
     injected = [i for result in ranks for i in result["injections"] if i["status"] == "injected"]
     if cell["class"] == "clean":
         out["outcome"] = "clean"
@@ -205,6 +219,8 @@ def score(cell: dict, ranks: List[dict]) -> dict:
             reason = MASKED
         out["outcome"] = "miss" if reason is None else ("masked" if reason == MASKED else "by_design")
         out["reason"] = reason
+        if out["slowdown"] is not None:
+            out["reason"] = f"realized slowdown {out['slowdown']}x (forward time against the peers' median)"
     return out
 
 
@@ -230,5 +246,6 @@ def summarize(scored: List[dict]) -> List[dict]:
             "recall": _ratio(count["hit"], count["hit"] + count["miss"]),
             "FPR": _ratio(sum(bool(s["false_reports"]) for s in group), len(group)),
             "latency": (f"{statistics.median(latencies):g} / {max(latencies):g} {unit}" if latencies else "-"),
+            "slowdown": "/".join(f"{s['slowdown']:g}x" for s in group if s.get("slowdown") is not None) or "-",
         })
     return rows

@@ -5,7 +5,8 @@ fresh model, DDP (or FSDP2 for `hang fsdp2`), AdamW, `enable_fault_injection` (t
 first: its gradient faults then land before SCOUT's check of the same step) and
 `enable_resiliency(interval=4)`, STEPS steps, then close. It returns, per cell, the SCOUT
 reports every rank received, the kit's injection records, a digest of the final parameters and
-optimizer state, and the modules SCOUT sampled at each check with their source rank.
+optimizer state, each step's forward time, the modules SCOUT sampled at each check with their source rank, and what one
+rotation of SCOUT's checks covers (`coverage()`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def _plan(session: Any) -> Dict[str, Dict[str, list]]:
     return plan
 
 
+def _brief(report: dict) -> dict:
+    """What scoring needs of a report, plus the timing evidence that explains a straggler."""
+    evidence = report.get("evidence") or {}
+    return dict({k: report[k] for k in ("kind", "scope", "ranks", "resource", "step", "detected_at")},
+                evidence={k: evidence[k] for k in _EVIDENCE if k in evidence})
+
+
+_EVIDENCE = ("measure", "current_s", "group_median_s", "threshold_s", "rounds", "rule")
+
+
 def run_cell(rank: int, world: int, cell: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -101,7 +112,7 @@ def run_cell(rank: int, world: int, cell: dict) -> dict:
         wrapped = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reports: List[dict] = []
-    step_now = {"step": 0}
+    forward_s: List[float] = []  # local work: no collective runs in the forward (no buffers to broadcast)
     manifest = campaign_json(cell)
     faults = (enable_fault_injection(wrapped, optimizer, campaign=FaultCampaign.from_json(manifest),
                                      rank=rank, world_size=world) if manifest is not None else None)
@@ -113,12 +124,15 @@ def run_cell(rank: int, world: int, cell: dict) -> dict:
         replay=ReplayHarnessConfig(hang_stall_threshold_s=threshold, monitor_poll_interval_s=0.2))
     try:
         plan = _plan(session)
+        coverage = session.scout.coverage() if session.scout is not None else None
         for step in range(1, STEPS + 1):
-            step_now["step"] = step
             gen = torch.Generator().manual_seed(1000 * rank + step)
             tokens = torch.randint(0, VOCAB, (4, 8), generator=gen)
             targets = torch.randint(0, VOCAB, (4, 8), generator=gen)
-            loss = F.cross_entropy(wrapped(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+            started = time.perf_counter()
+            logits = wrapped(tokens)
+            forward_s.append(time.perf_counter() - started)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -130,9 +144,9 @@ def run_cell(rank: int, world: int, cell: dict) -> dict:
     injections = [{"status": r.status.value, "iteration": r.iteration, "wall_time": r.wall_time}
                   for r in (faults.records if faults is not None else ())]
     dist.barrier()
-    return {"reports": [{k: r[k] for k in ("kind", "scope", "ranks", "resource", "step", "detected_at")}
-                        for r in reports],
-            "injections": injections, "state": state, "plan": plan}
+    return {"reports": [_brief(r) for r in reports],
+            "injections": injections, "state": state, "plan": plan, "forward_s": forward_s,
+            "coverage": coverage}
 
 
 def run_cells(rank: int, world: int, opts: dict, cells: List[dict]) -> List[dict]:

@@ -140,6 +140,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                   + (f" latency {s['latency']}" if s["latency"] is not None else "")
                                                   + (f", {len(s['false_reports'])} false" if s["false_reports"] else "")))
     rows = cells_mod.summarize(scored)
+    coverage = next((s["ranks"][0]["coverage"] for s in scored if s["ranks"] and s["cell"].get("framework") != "fsdp2"),
+                    None)
+    if coverage is not None:
+        print(f"SCOUT coverage of the DDP model: {coverage['parameters']:.0%} of the parameters "
+              f"({coverage['bytes']:.0%} of their bytes) in one rotation of {coverage['checks']} checks, "
+              f"{coverage['steps']} steps" + (f"; not reached: {coverage['uncovered']}" if coverage["uncovered"] else ""))
     print(format_table(rows))
     for title, outcome in (("misses", "miss"), ("by-design misses", "by_design"), ("masked", "masked"),
                            ("not injected / errors", "not_injected"), ("", "error")):
@@ -152,10 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if false:
         print(f"\nfalse reports ({len(false)}):")
         for name, r in false:
-            print(f"  {name}: {r['kind']} ranks={r['ranks']} resource={r['resource']} step={r['step']}")
+            print(f"  {name}: {r['kind']} ranks={r['ranks']} resource={r['resource']} step={r['step']} "
+                  f"{json.dumps(r.get('evidence', {}))}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "trials": scored, "ranks": args.ranks, "steps": cells_mod.STEPS,
+        json.dump({"rows": rows, "coverage": coverage, "trials": scored, "ranks": args.ranks, "steps": cells_mod.STEPS,
                    "interval": cells_mod.INTERVAL, "hang_threshold_s": cells_mod.HANG_THRESHOLD_S,
                    "seconds": round(time.time() - started, 1), "load_average": list(os.getloadavg())}, f, indent=1)
     return 0
