@@ -16,8 +16,8 @@ and injects one fault on one rank with the fault kit (`enable_fault_injection`),
   clean       nothing injected: every report is a false positive
   hang        a rank blocks 2.5 x the 2 s hang threshold in its middle block at step 6, under DDP
               and under FSDP2
-  straggler   a rank sleeps 1x or 4x its step's work at the start of every iteration (2x, 5x), or
-              its middle block is 5x slower, from step 3 on
+  straggler   from step 3 on, a rank sleeps at the start of every iteration until it is about 2x
+              (`start_2x`) or 5x (`start_5x`) slower, or its middle block is 5x slower (`layer_5x`)
 
 Trials run in batches in the same processes (`--batch`); a batch that fails is rerun one trial
 per process group, and a trial that still fails is scored `error`. Scoring, by-design misses and
