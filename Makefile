@@ -45,7 +45,7 @@ demo:
 bench: venv
 	$(PY) -m benchmarks.gemini_bench
 
-# SCOUT's full detection campaign (about 25 minutes on 2 cores; benchmarks/README.md).
+# SCOUT's full detection campaign (12 to 25 minutes on a shared 2-core machine; benchmarks/README.md).
 detection: venv
 	$(PY) -m benchmarks.detection_bench
 
