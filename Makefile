@@ -12,7 +12,7 @@ comma := ,
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: venv lint test test-slow demo bench clean
+.PHONY: venv lint test test-slow demo bench detection clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ demo:
 
 bench: venv
 	$(PY) -m benchmarks.gemini_bench
+
+# SCOUT's full detection campaign (12 to 25 minutes on a shared 2-core machine; benchmarks/README.md).
+detection: venv
+	$(PY) -m benchmarks.detection_bench
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info demo-output benchmarks/results

@@ -1,21 +1,27 @@
 """SCOUT detection campaign under real DDP: precision, recall, false-positive rate and latency per class.
 
-    python -m benchmarks.detection_bench [--ranks 4] [--trials 2] [--out benchmarks/results/detection.json]
+    python -m benchmarks.detection_bench --quick                  # a few minutes on 2 cores
+    python -m benchmarks.detection_bench                          # the full campaign (make detection)
+    python -m benchmarks.detection_bench --classes sdc --kinds nan,sign_flip --positions final_norm
 
-Each trial trains a small DDP model on `--ranks` gloo processes with `enable_resiliency` and
-injects one fault on one rank (the rank rotates over trials):
+Every trial trains a small model (an embedding, 3 residual blocks in a ModuleList, a final
+LayerNorm, a head) on `--ranks` gloo processes with DDP, AdamW and `enable_resiliency(interval=4)`,
+and injects one fault on one rank with the fault kit (`enable_fault_injection`), as a user would:
 
-  hang             the rank sleeps 2.5 x the hang threshold in its forward at step 6 (then goes on)
-  straggler_start  the rank sleeps as long as a step's work at the start of every iteration (2x)
-  straggler_layer  the rank's middle layer is 5x slower
-  non_finite       one NaN in the rank's layer output at step 5
-  clean            nothing (every report there is a false positive)
+  sdc         kinds (sign flip, highest exponent bit flip, lowest mantissa bit flip, +1e-3) of one
+              element x surfaces (output, parameter, gradient, optimizer state) x positions (the
+              embedding, the middle block, the final norm, the head) x lifetimes (recurring from
+              step 5, one-shot at the check of step 8, one-shot at step 6 between checks)
+  non_finite  the same grid with one NaN
+  clean       nothing injected: every report is a false positive
+  hang        a rank blocks 2.5 x the 2 s hang threshold in its middle block at step 6, under DDP
+              and under FSDP2
+  straggler   from step 3 on, a rank sleeps at the start of every iteration until it is about 2x
+              (`start_2x`) or 5x (`start_5x`) slower, or its middle block is 5x slower (`layer_5x`)
 
-A trial is detected when a report of the class's kind names exactly the faulty rank; a report of
-that kind naming anything else is a false positive. Latency: hang, seconds from the sleep to the
-report; stragglers, steps from the start to the confirming check; non_finite, steps from the
-injection to the report. Rank work is a sleep, so the timings do not depend on the machine's
-speed, only on its load.
+Trials run in batches in the same processes (`--batch`); a batch that fails is rerun one trial
+per process group, and a trial that still fails is scored `error`. Scoring, by-design misses and
+the table's columns: benchmarks/_detection_cells.py and benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -24,149 +30,141 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
+from benchmarks import _detection_cells as cells_mod
+from benchmarks._detection_ranks import run_cells
 from benchmarks._ranks import format_table, log as _log, run_ranks
 
-CLASSES = ("hang", "straggler_start", "straggler_layer", "non_finite", "clean")
-KIND = {"hang": "hang", "straggler_start": "compute_straggler", "straggler_layer": "compute_straggler",
-        "non_finite": "sdc"}
-WORK_S = 0.02
-THRESHOLD_S = 2.0
-STEPS = 12
+QUICK = dict(kinds=("sign_flip", "low_mantissa_bit", "nan"), surfaces=cells_mod.SURFACES,
+             positions=("middle", "final_norm"), lifetimes=("recurring", "at_check"), clean_runs=4,
+             stragglers=("start_2x", "layer_5x"))
 
 
 def log(msg: str) -> None:
     _log("detection", msg)
 
 
-def rank_main(rank: int, world: int, opts: dict, fault: str, faulty: int) -> dict:
-    import torch
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lm_resiliency import ReplayHarnessConfig, enable_resiliency
-    from lm_resiliency.scout.reports import replay_fault_reports
-
-    class Tower(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Linear(8, 16)
-            self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
-            self.head = nn.Linear(16, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = torch.tanh(self.embed(x))
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return self.head(x)
-
-    torch.manual_seed(0)
-    model = Tower()
-    ddp = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    me = rank == faulty
-    state: Dict[str, Any] = {"step": 0, "hang_at": None}
-    reports: List[dict] = []
-
-    def work(module: nn.Module, args: Any) -> None:
-        slow = 5 if me and fault == "straggler_layer" else 1
-        time.sleep(WORK_S * slow)
-        if me and fault == "hang" and state["step"] == 6:
-            state["hang_at"] = time.time()
-            time.sleep(2.5 * THRESHOLD_S)
-
-    def poison(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        if me and fault == "non_finite" and state["step"] == 5:
-            output = output.clone()
-            output[0, 0] = float("nan")
-        return output
-
-    model.layers[1].register_forward_pre_hook(work)
-    model.layers[1].register_forward_hook(poison)
-
-    def on_result(result: Any) -> None:
-        reports.extend(dict(r.to_json(), at_step=result.step) for r in replay_fault_reports(result))
-
-    session = enable_resiliency(
-        ddp, optimizer, interval=4, enable_checkpoint=False, fault_callback=on_result,
-        oob_fault_callback=lambda r: reports.append(dict(r.to_json(), at_step=state["step"])),
-        replay=ReplayHarnessConfig(hang_stall_threshold_s=THRESHOLD_S, monitor_poll_interval_s=0.2))
-    for step in range(1, STEPS + 1):
-        state["step"] = step
-        if me and fault == "straggler_start":
-            time.sleep(WORK_S)
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + step))
-        ddp(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    session.close()
-    return {"reports": reports, "hang_at": state["hang_at"]}
+def _run_batch(batch: List[dict], ranks: int, timeout: float) -> List[List[dict]]:
+    work = tempfile.mkdtemp(prefix="detection-bench-")
+    try:
+        per_rank = run_ranks(run_cells, ranks, {"timeout": timeout * len(batch)}, work, batch,
+                             name="detection campaign", tcp=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [[per_rank[r][i] for r in range(ranks)] for i in range(len(batch))]
 
 
-def score(fault: str, faulty: int, results: List[dict]) -> dict:
-    """One trial: detected / false positives / latency, from every rank's reports."""
-    reports = [r for result in results for r in result["reports"]]
-    kinds = {KIND[fault]} if fault in KIND else set(KIND.values())
-    relevant = [r for r in reports if r["kind"] in kinds]
-    hits = [r for r in relevant if fault != "clean" and r["ranks"] == [faulty]]
-    latency: Optional[float] = None
-    if hits:
-        first = min(hits, key=lambda r: r["detected_at"])
-        if fault == "hang":
-            hang_at = next(r["hang_at"] for r in results if r["hang_at"] is not None)
-            latency = first["detected_at"] - hang_at
+def run_campaign(cells: List[dict], ranks: int, batch_size: int, timeout: float,
+                 on_scored: Callable[[dict], None] = lambda s: None) -> List[dict]:
+    """Run and score `cells`; `on_scored` sees each scored trial as it comes."""
+    batches: List[List[dict]] = []
+    for cell in cells:
+        if batches and len(batches[-1]) < batch_size:
+            batches[-1].append(cell)
         else:
-            latency = float(first["at_step"] - (5 if fault == "non_finite" else 0))
-    return {"detected": bool(hits), "false_reports": len(relevant) - len(hits), "latency": latency}
+            batches.append([cell])
+    scored = []
+    for batch in batches:
+        try:
+            outcomes: List[Any] = _run_batch(batch, ranks, timeout)
+        except RuntimeError as exc:
+            if len(batch) == 1:
+                outcomes = [exc]
+            else:
+                log(f"a batch of {len(batch)} failed, rerunning its trials one by one: {str(exc)[:2000]}")
+                outcomes = []
+                for cell in batch:
+                    try:
+                        outcomes += _run_batch([cell], ranks, timeout)
+                    except RuntimeError as one:
+                        outcomes.append(one)
+        for cell, outcome in zip(batch, outcomes):
+            if isinstance(outcome, RuntimeError):
+                result = {"outcome": "error", "false_reports": [], "latency": None, "reason": str(outcome)[-4000:]}
+                raw: List[dict] = []
+            else:
+                result, raw = cells_mod.score(cell, outcome), outcome
+            entry = dict(result, cell=cell, name=cells_mod.cell_name(cell), ranks=raw)
+            scored.append(entry)
+            on_scored(entry)
+    return scored
+
+
+def _csv(value: str, allowed: Any, what: str, p: argparse.ArgumentParser) -> tuple:
+    chosen = tuple(v for v in value.split(",") if v)
+    bad = [v for v in chosen if v not in allowed]
+    if bad:
+        p.error(f"--{what}: {bad} not in {list(allowed)}")
+    return chosen
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4, help="gloo processes (>= 3: stragglers need a majority)")
-    p.add_argument("--trials", type=int, default=2, help="trials per class (the faulty rank rotates)")
-    p.add_argument("--classes", default=",".join(CLASSES), help="comma-separated subset of " + ",".join(CLASSES))
+    p.add_argument("--ranks", type=int, default=4, help="gloo processes (>= 3: a vote needs a majority)")
+    p.add_argument("--trials", type=int, default=1, help="trials per cell (the faulty rank rotates)")
+    p.add_argument("--clean-runs", type=int, default=30, help="clean runs")
+    p.add_argument("--classes", default=",".join(cells_mod.CLASSES), help="subset of " + ",".join(cells_mod.CLASSES))
+    p.add_argument("--kinds", default=",".join(cells_mod.KINDS))
+    p.add_argument("--surfaces", default=",".join(cells_mod.SURFACES))
+    p.add_argument("--positions", default=",".join(cells_mod.POSITIONS))
+    p.add_argument("--lifetimes", default=",".join(cells_mod.LIFETIMES))
+    p.add_argument("--frameworks", default=",".join(cells_mod.FRAMEWORKS), help="hang trials")
+    p.add_argument("--stragglers", default=",".join(cells_mod.STRAGGLERS))
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes: kinds sign_flip,low_mantissa_bit,nan at the middle block and the final "
+                        "norm, recurring and at-check, 4 clean runs, stragglers start_2x,layer_5x")
+    p.add_argument("--batch", type=int, default=80, help="trials run in the same processes")
     p.add_argument("--out", default="benchmarks/results/detection.json", help="JSON results path")
-    p.add_argument("--timeout", type=float, default=300.0, help="limit per trial (s)")
+    p.add_argument("--timeout", type=float, default=120.0, help="limit per trial (s)")
     args = p.parse_args(argv)
-    classes = [c for c in args.classes.split(",") if c]
-    if args.ranks < 3 or args.trials < 1 or any(c not in CLASSES for c in classes):
-        p.error(f"--ranks >= 3, --trials >= 1, --classes from {CLASSES}")
-    rows, trials = [], []
-    for fault in classes:
-        scored = []
-        for trial in range(args.trials):
-            faulty = (3 * trial + 1) % args.ranks  # 1, 0, 3, 2, ... with 4 ranks
-            work = tempfile.mkdtemp(prefix="detection-bench-")
-            try:
-                results = run_ranks(rank_main, args.ranks, {"timeout": args.timeout}, work, fault, faulty,
-                                    name=f"detection {fault}", tcp=True)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            scored.append(dict(score(fault, faulty, results), fault=fault, faulty=faulty))
-            log(f"{fault} trial {trial} (rank {faulty}): {scored[-1]}")
-        trials += scored
-        detected = sum(s["detected"] for s in scored)
-        false = sum(s["false_reports"] for s in scored)
-        latencies = [s["latency"] for s in scored if s["latency"] is not None]
-        unit = "s" if fault == "hang" else "steps"
-        rows.append({
-            "class": fault,
-            "trials": len(scored),
-            "precision": "-" if detected + false == 0 else f"{detected / (detected + false):.2f}",
-            "recall": "-" if fault == "clean" else f"{detected / len(scored):.2f}",
-            "FPR": f"{sum(s['false_reports'] > 0 for s in scored) / len(scored):.2f}",
-            "latency": f"{statistics.median(latencies):.2f} {unit}" if latencies else "-",
-        })
+    if args.ranks < 3 or args.trials < 1 or args.clean_runs < 0 or args.batch < 1:
+        p.error("--ranks >= 3, --trials >= 1, --clean-runs >= 0, --batch >= 1")
+    grid = dict(kinds=_csv(args.kinds, cells_mod.KINDS, "kinds", p),
+                surfaces=_csv(args.surfaces, cells_mod.SURFACES, "surfaces", p),
+                positions=_csv(args.positions, cells_mod.POSITIONS, "positions", p),
+                lifetimes=_csv(args.lifetimes, cells_mod.LIFETIMES, "lifetimes", p),
+                frameworks=_csv(args.frameworks, cells_mod.FRAMEWORKS, "frameworks", p),
+                stragglers=_csv(args.stragglers, cells_mod.STRAGGLERS, "stragglers", p),
+                clean_runs=args.clean_runs)
+    if args.quick:
+        grid.update(QUICK)
+    todo = cells_mod.cells(_csv(args.classes, cells_mod.CLASSES, "classes", p), args.trials, args.ranks, **grid)
+    log(f"{len(todo)} trials on {args.ranks} ranks")
+    started = time.time()
+    scored = run_campaign(todo, args.ranks, args.batch, args.timeout,
+                          on_scored=lambda s: log(f"{s['name']}: {s['outcome']}"
+                                                  + (f" latency {s['latency']}" if s["latency"] is not None else "")
+                                                  + (f", {len(s['false_reports'])} false" if s["false_reports"] else "")))
+    rows = cells_mod.summarize(scored)
+    coverage = next((s["ranks"][0]["coverage"] for s in scored if s["ranks"] and s["cell"].get("framework") != "fsdp2"),
+                    None)
+    if coverage is not None:
+        print(f"SCOUT coverage of the DDP model: {coverage['parameters']:.0%} of the parameters "
+              f"({coverage['bytes']:.0%} of their bytes) in one rotation of {coverage['checks']} checks, "
+              f"{coverage['steps']} steps" + (f"; not reached: {coverage['uncovered']}" if coverage["uncovered"] else ""))
     print(format_table(rows))
+    for title, outcome in (("misses", "miss"), ("by-design misses", "by_design"), ("masked", "masked"),
+                           ("not injected / errors", "not_injected"), ("", "error")):
+        listed = [s for s in scored if s["outcome"] == outcome]
+        if listed:
+            print(f"\n{title or 'errors'} ({len(listed)}):")
+            for s in listed:
+                print(f"  {s['name']}" + (f": {s['reason'][:200]}" if s["reason"] else ""))
+    false = [(s["name"], r) for s in scored for r in s["false_reports"]]
+    if false:
+        print(f"\nfalse reports ({len(false)}):")
+        for name, r in false:
+            print(f"  {name}: {r['kind']} ranks={r['ranks']} resource={r['resource']} step={r['step']} "
+                  f"{json.dumps(r.get('evidence', {}))}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "trials": trials, "ranks": args.ranks, "steps": STEPS,
-                   "hang_threshold_s": THRESHOLD_S, "load_average": list(os.getloadavg())}, f, indent=1)
+        json.dump({"rows": rows, "coverage": coverage, "trials": scored, "ranks": args.ranks, "steps": cells_mod.STEPS,
+                   "interval": cells_mod.INTERVAL, "hang_threshold_s": cells_mod.HANG_THRESHOLD_S,
+                   "seconds": round(time.time() - started, 1), "load_average": list(os.getloadavg())}, f, indent=1)
     return 0
 
 
