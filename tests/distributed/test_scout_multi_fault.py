@@ -17,21 +17,11 @@ def _run(rank, world, faulty, fault_from, steps=4):
     """A recurring sign flip in the final norm's forward on the ranks `faulty`, from step
     `fault_from` on. Returns {step: [(check, path, verdict, faulty ranks, split, kind, report ranks)]}
     for the checks that were not clean."""
-    import torch.distributed as dist
-    from torch import nn
-
-    from lm_resiliency import ReplayHarnessConfig
-    from lm_resiliency.scout.replay import ReplayDetector
     from lm_resiliency.scout.reports import replay_fault_reports
-    from tests.distributed.scout_coverage_workloads import NormedLM
+    from tests.distributed.scout_coverage_workloads import normed_detector
     from tests.distributed.scout_workloads import sign_flip
 
-    torch.manual_seed(0)
-    model = NormedLM()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    detector = ReplayDetector(ddp, optimizer, ReplayHarnessConfig(check_interval=1), group=dist.group.WORLD,
-                              group_ranks=list(range(world)))
+    model, ddp, optimizer, detector = normed_detector(world)
     seen = {}
     for step in range(1, steps + 1):
         if rank in faulty and step == fault_from:
