@@ -263,6 +263,8 @@ class ScoutHarness:
         self.beacon.progress(step)
         if self.monitor is not None:
             self.monitor.check()  # a failed report callback or a dead monitor surfaces here
+        if self._local is not None and skipped:
+            self._local.skip()
         trace = self._ddp_trace.take_step(skipped) if self._ddp_trace is not None else None
         if trace is None:
             return None

@@ -22,6 +22,7 @@ values first appeared (`harness._rank_work_round`). Every loop is SPMD, so posit
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from lm_resiliency.scout.monitor import COMMUNICATION_OP_PREFIX, ProgressBeacon
+
+logger = logging.getLogger(__name__)
 
 GRADIENT_OP = COMMUNICATION_OP_PREFIX + "ddp_grad_bucket"
 _WARMUP_STEPS = 2   # lazy init, DDP's bucket rebuild: every rank waits for the slowest there
@@ -124,13 +127,25 @@ class LocalWorkTrace:
 
     def _note(self, position: int, tensor: torch.Tensor, what: str) -> None:
         # min and max are NaN or infinite exactly when some element is: one pass, no sync here.
-        extremes = torch.stack(torch.aminmax(tensor.detach().reshape(-1)))
+        try:
+            extremes = torch.stack(torch.aminmax(tensor.detach().reshape(-1)))
+        except RuntimeError as exc:   # a dtype aminmax lacks: unchecked, never a failed collective
+            logger.debug("SCOUT: %s's tensor (%s) not checked for NaN/Inf: %s", what, tensor.dtype, exc)
+            return
         with self._lock:
             self._pending.append((position, extremes, what))
 
     def released(self) -> None:
         """SCOUT's own synchronizing section just ended: this rank's own work restarts here."""
         with self._lock:
+            self._release, self._inside_s = time.monotonic(), 0.0
+
+    def skip(self) -> None:
+        """The optimizer skipped this step (a GradScaler found inf/NaN): what was sent is the
+        scaler's business, not an origin, and the step is not timed."""
+        self.leave_gradient_op()
+        with self._lock:
+            self._pending, self._position, self._ready = [], 0, None
             self._release, self._inside_s = time.monotonic(), 0.0
 
     def boundary(self, step: int) -> LocalStep:

@@ -56,3 +56,15 @@ def test_gradient_hooks_check_each_local_gradient_and_mark_the_reduction():
     model.zero_grad()
     model(torch.ones(1, 2)).sum().backward()
     assert not trace._in_gradient_op and trace._pending == []
+
+
+def test_a_step_the_optimizer_skipped_is_neither_an_origin_nor_timed():
+    trace = LocalWorkTrace(ProgressBeacon())
+    for step in (1, 2, 3):
+        trace.boundary(step)
+    _collective(trace, "all_reduce", (torch.tensor([float("inf")]),), 0.0)   # a GradScaler overflow
+    time.sleep(0.2)
+    trace.skip()
+    _collective(trace, "all_reduce", (torch.ones(2),), 0.0)
+    observed = trace.boundary(5)
+    assert observed.first_non_finite is None and observed.own_work_s < 0.15, observed
