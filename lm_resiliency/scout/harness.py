@@ -2,7 +2,9 @@
 
 Per optimizer step k:
   before the forward of k   `before_forward(k)`        arm replay capture if a check is due
-  after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
+  after backward of k       `before_optimizer_step(k)` without DDP's bucket trace, step k's own
+                                                       work and first non-finite send (local_trace.py);
+                                                       replay + vote, compute-straggler timing,
                                                        collective probe (every `probe_interval`
                                                        steps) -> ReplayResult
   after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor;
@@ -10,7 +12,8 @@ Per optimizer step k:
                                                        the non-finite origin check (ddp_trace.py)
 The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
 the training thread is stuck in a collective. Under DDP a comm hook marks each gradient bucket
-for it, and the per-rank own-work times are exchanged at check steps (whole-rank stragglers).
+for it. The per-rank own-work times (and, without the bucket trace, the first non-finite sends)
+are exchanged at check steps: whole-rank stragglers and non-finite origins.
 """
 
 from __future__ import annotations
