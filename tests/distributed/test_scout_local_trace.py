@@ -156,51 +156,11 @@ def test_user_hook_registered_first_runs_unchanged_and_training_is_bitwise_equal
         assert all(torch.equal(a, b) for a, b in zip(plain, ours))
 
 
-def _hang_with_user_hook(rank, world, out_dir, hung_rank, hang_step):
-    import os
-    import threading
-
-    from lm_resiliency import ReplayHarnessConfig, enable_resiliency
-    from tests.distributed.test_scout_ddp_trace import POLL_S, THRESHOLD_S, WATCHDOG_S, _watchdog, _write_json
-
-    threading.Thread(target=_watchdog, args=(out_dir, rank), daemon=True).start()
-    model, ddp, optimizer = _build("ddp_hook", [])
-
-    def on_report(report):
-        _write_json(os.path.join(out_dir, f"report-{rank}.json"), report.to_json())
-        open(os.path.join(out_dir, "stop"), "w").close()
-        os._exit(0)
-
-    enable_resiliency(ddp, optimizer, interval=4, enable_checkpoint=False, oob_fault_callback=on_report,
-                      replay=ReplayHarnessConfig(hang_stall_threshold_s=THRESHOLD_S, monitor_poll_interval_s=POLL_S))
-
-    def hang(module, args):
-        _write_json(os.path.join(out_dir, "blocked.json"), {"at": time.time()})
-        time.sleep(WATCHDOG_S * 2)
-
-    for step in range(1, 13):
-        if rank == hung_rank and step == hang_step:
-            model.layers[1].register_forward_pre_hook(hang)
-        try:
-            _step("ddp_hook", model, ddp, optimizer, _batch(step, rank))
-        except Exception:
-            if os.path.exists(os.path.join(out_dir, "stop")):
-                os._exit(0)  # the reporting rank ended the run: gloo fails the blocked all-reduce
-            raise
-    return "not blocked"
-
-
 def test_hang_under_ddp_with_a_user_hook_registered_first_is_named_exactly(tmp_path):
-    import json
-    import os
+    from tests.distributed.test_scout_ddp_trace import _ddp_hang, only_hang_report
 
     out_dir = str(tmp_path)
-    outcomes = run_ranks(_hang_with_user_hook, 4, out_dir, 3, 6, timeout=150, check=False)
-    assert [(o.rank, o.exitcode, o.error) for o in outcomes] == [(r, 0, None) for r in range(4)], outcomes
-    reports = sorted(n for n in os.listdir(out_dir) if n.startswith("report-"))
-    assert len(reports) == 1 and os.path.exists(os.path.join(out_dir, "blocked.json")), reports
-    with open(os.path.join(out_dir, reports[0])) as f:
-        report = json.load(f)
+    report, _ = only_hang_report(out_dir, run_ranks(_ddp_hang, 4, out_dir, 3, 6, True, timeout=150, check=False))
     assert (report["kind"], report["scope"], report["ranks"]) == ("hang", "rank", [3]), report["evidence"]
     ops = {r: v["op"] for r, v in report["evidence"]["ranks"].items()}
     assert ops == {"0": "comm:ddp_grad_bucket", "1": "comm:ddp_grad_bucket", "2": "comm:ddp_grad_bucket",
