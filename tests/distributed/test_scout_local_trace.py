@@ -70,7 +70,8 @@ def _run(rank, world, kind, scenario, fault_rank, steps=8):
     """scenario: "start" (`fault_rank` sleeps 100 ms more at the start of each iteration: with the
     frameworks' own work under test load, about 2x its peers' step),
     "layer" (its middle layer is 5x slower), "nan" (one NaN in its middle layer's output at step
-    6), "clean". Returns [(step, not-clean checks, stragglers)] from fault_callback, and whether
+    6), "shard" (FSDP2: one NaN in its stored shard of the middle layer's weight before step 6),
+    "clean". Returns [(step, not-clean checks, stragglers)] from fault_callback, and whether
     the user's comm hook ran."""
     from lm_resiliency import ReplayHarnessConfig, enable_resiliency
 
@@ -94,6 +95,9 @@ def _run(rank, world, kind, scenario, fault_rank, steps=8):
         state["step"] = step
         if rank == fault_rank and scenario == "start":
             time.sleep(0.1)
+        if rank == fault_rank and scenario == "shard" and step == 6:   # this rank's stored FSDP2 shard
+            with torch.no_grad():
+                model.layers[1].weight.to_local().view(-1)[0] = float("nan")
         _step(kind, model, wrapped, optimizer, _batch(step, rank))
     session.close()
     seen = [(r.step, [(c.check, c.module_path, list(c.faulty), c.detail) for c in r.checks if c.verdict != "clean"],
@@ -127,6 +131,14 @@ def test_non_finite_origin_is_named_at_the_next_check(kind):
         step, (_, path, faulty, detail) = origin[0]
         assert (step, path, faulty) == (8, "non_finite", [1]), (rank, seen)
         assert "at step 6" in detail, detail
+
+
+def test_non_finite_fsdp2_shard_is_named_on_the_rank_that_holds_it():
+    # Every rank gathers the NaN shard into its forward at step 6; only rank 1 sent it.
+    for rank, (seen, _) in enumerate(run_ranks(_run, 4, "fsdp2", "shard", 1, timeout=240)):
+        origin = [(step, c) for step, checks, _ in seen for c in checks if c[0] == "gradients"]
+        assert [(step, c[2]) for step, c in origin] == [(8, [1])], (rank, seen)
+        assert "at step 6" in origin[0][1][3] and "all_gather_single" in origin[0][1][3], origin
 
 
 def test_clean_run_reports_nothing():
