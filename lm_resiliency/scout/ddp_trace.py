@@ -17,7 +17,7 @@ registers one comm hook on the `DistributedDataParallel` object; it runs the use
 Composition: DDP accepts one comm hook. A hook the user registers later (`register_comm_hook`,
 or the built-in ALLREDUCE / FP16_COMPRESS types) replaces the inner hook of the trace instead;
 a hook already registered before SCOUT cannot be wrapped (DDP offers no way to replace it), so
-the trace is not installed and a warning says what is lost.
+the trace is not installed and SCOUT watches the parameters' gradients instead (local_trace.py).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class GradientBucketTrace:
 
 def install_ddp_trace(model: Any, beacon: ProgressBeacon) -> Optional[GradientBucketTrace]:
     """Install the gradient-bucket trace on the DDP object `model` is (or wraps); None when there is
-    no DDP object or a comm hook is already registered (a warning then says what is lost)."""
+    no DDP object, DDP reduces through its Python reducer, or a comm hook is already registered."""
     ddp = find_ddp(model)
     if ddp is None:
         return None
@@ -210,10 +210,9 @@ def install_ddp_trace(model: Any, beacon: ProgressBeacon) -> Optional[GradientBu
         return None
     existing = registered_hook_name(ddp)
     if existing is not None:
-        logger.warning("SCOUT: DDP already has comm hook %r, which DDP lets nobody wrap; SCOUT's gradient-"
-                       "bucket trace is off: hangs inside DDP's all-reduce are not pinned on a rank, "
-                       "rank-level stragglers and the non-finite origin check are off. Create the session "
-                       "before registering the hook to keep them (SCOUT then runs your hook).", existing)
+        logger.info("SCOUT: DDP already has comm hook %r, which DDP lets nobody wrap; it runs unchanged and "
+                    "SCOUT watches each parameter's local gradient instead (local_trace.py): a non-finite "
+                    "origin is named at the next check rather than at its step", existing)
         return None
     trace = GradientBucketTrace(ddp, beacon)
     trace._install()

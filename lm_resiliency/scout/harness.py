@@ -2,7 +2,9 @@
 
 Per optimizer step k:
   before the forward of k   `before_forward(k)`        arm replay capture if a check is due
-  after backward of k       `before_optimizer_step(k)` replay + vote, compute-straggler timing,
+  after backward of k       `before_optimizer_step(k)` without DDP's bucket trace, step k's own
+                                                       work and first non-finite send (local_trace.py);
+                                                       replay + vote, compute-straggler timing,
                                                        collective probe (every `probe_interval`
                                                        steps) -> ReplayResult
   after optimizer step k    `after_optimizer_step(k)`  progress for the out-of-band monitor;
@@ -10,7 +12,8 @@ Per optimizer step k:
                                                        the non-finite origin check (ddp_trace.py)
 The out-of-band monitor runs on its own thread over the c10d store, so it keeps working while
 the training thread is stuck in a collective. Under DDP a comm hook marks each gradient bucket
-for it, and the per-rank own-work times are exchanged at check steps (whole-rank stragglers).
+for it. The per-rank own-work times (and, without the bucket trace, the first non-finite sends)
+are exchanged at check steps: whole-rank stragglers and non-finite origins.
 """
 
 from __future__ import annotations
@@ -27,20 +30,29 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import wire
-from lm_resiliency._torch_compat import default_store, root_mesh
+from lm_resiliency._torch_compat import default_store, root_mesh, uses_python_reducer
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.ddp_trace import GradientBucketTrace, StepTrace, install_ddp_trace
 from lm_resiliency.scout.instrument import checkpoint_io, instrument_dataloader, trace_collectives
 from lm_resiliency.scout.moe_replay import WorkloadReplayDetector, workload_peer_groups
 from lm_resiliency.scout.moe_sweep import CombinedSweep, WorkloadSweep
+from lm_resiliency.scout.local_trace import LocalWorkTrace, non_finite_origins
 from lm_resiliency.scout.monitor import DEFAULT_PREFIX, OOBMonitor, ProgressBeacon
 from lm_resiliency.scout.peers import UnknownLayoutError, peer_groups_from_topology
 from lm_resiliency.scout.probes import CollectiveProbe, default_probe_groups
 from lm_resiliency.scout.alltoall import AllToAllRecorder, AllToAllReplayer
 from lm_resiliency.scout.replay import ReplayDetector, ReplayUnsupportedError
-from lm_resiliency.scout.reports import SCOPE_RANK, SDC, ReplayResult, SCOUTFaultReport
+from lm_resiliency.scout.reports import (
+    NON_FINITE_CHECK,
+    SCOPE_RANK,
+    SDC,
+    CheckOutcome,
+    ReplayResult,
+    SCOUTFaultReport,
+)
 from lm_resiliency.scout.stragglers import CommunicationStragglerLocalizer, ComputeStragglerDetector
 from lm_resiliency.scout.sweep import FullCatalogSweep
+from lm_resiliency.wrappers import find_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +92,8 @@ class ScoutHarness:
         self._probe: Optional[CollectiveProbe] = None
         self._trace = None
         self._ddp_trace: Optional[GradientBucketTrace] = None
+        self._local: Optional[LocalWorkTrace] = None
+        self._origin_reported = False
         self._work_samples: List[float] = []
         self._armed_work_samples: List[float] = []   # steps whose forward captured for a replay
         self._armed = False
@@ -132,6 +146,7 @@ class ScoutHarness:
         self._replay_group = replay_group
         self._exchange_timeout_s = bound
         self.host = hosts.get(self.rank, "")
+        self._hosts = hosts
         self.communication = CommunicationStragglerLocalizer(config, hosts)
         self.workload_detector = self._workload_detector(model, optimizer, topology, bound)
         self._all_to_all: Optional[AllToAllReplayer] = None
@@ -151,6 +166,14 @@ class ScoutHarness:
                                       on_report=on_oob_report, host=hosts.get(self.rank), prefix=prefix).start()
             self._trace = trace_collectives(self.beacon)
             self._ddp_trace = install_ddp_trace(model, self.beacon)
+            ddp = find_ddp(model)
+            if self._ddp_trace is None and (ddp is None or not uses_python_reducer(ddp)):
+                # No bucket trace (no DDP, or a comm hook came first): time each rank's own work
+                # and check what it sends from its Python collectives, or its DDP gradients.
+                self._local = LocalWorkTrace(self.beacon)
+                self._trace.observer = self._local
+                if ddp is not None:
+                    self._local.watch_gradients(ddp.module)
         # The full-catalog sweep prepare_recovery runs replays what the detector's peers share.
         sweeps: List[FullCatalogSweep] = []
         if self.detector is not None:
@@ -213,6 +236,8 @@ class ScoutHarness:
         return dict(enumerate(names))
 
     def before_forward(self, step: int) -> None:
+        if self._local is not None:
+            self._local.leave_gradient_op()   # a no_sync micro-step's gradients were not reduced
         self._armed = self.check_due(step)
         if self._armed:
             if self.sweep is not None:
@@ -229,6 +254,10 @@ class ScoutHarness:
 
     def before_optimizer_step(self, step: int) -> Optional[ReplayResult]:
         """Run the checks due at `step` (collective). None when nothing was due."""
+        if self._local is not None:
+            own = self._local.boundary(step).own_work_s
+            if own is not None:
+                (self._armed_work_samples if self._armed else self._work_samples).append(own)
         if not self.check_due(step):
             return None
         recorder, self._all_to_all_recorder = self._all_to_all_recorder, None
@@ -247,33 +276,52 @@ class ScoutHarness:
             result = ReplayResult(step, result.checks + tuple(routing))
             findings += [replace(f, evidence=dict(f.evidence, measure="all_to_all_replay"))
                          for f in self.all_to_all_links.observe(latencies)]
+        checks = list(result.checks)
         timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding", "expert")
                         and c.timings_s), None)
         if timings and len(timings) >= 3:
             findings += self.compute.observe(timings)
-        if self._replay_group is not None and len(self.rank_work.group_ranks) >= 3:
+        if self._replay_group is not None and len(self.rank_work.group_ranks) >= 2:
             with self._own_section("scout_step_timings", step):
-                findings += self._rank_work_round()
+                found, origin = self._rank_work_round()
+            findings += found
+            checks += origin
         if self._probe is not None and step % self.config.probe_interval == 0:
             with self._own_section("scout_probe", step):
                 findings += self.communication.observe(self._probe.measure())
-        return ReplayResult(step, result.checks, tuple(findings))
+        return ReplayResult(step, tuple(checks), tuple(findings))
 
-    def _rank_work_round(self) -> list:
-        """Exchange each peer's median own work per step since the last check (one small gather
-        per check, none per step) and judge it; every peer reaches the same verdict."""
+    def _rank_work_round(self) -> tuple:
+        """Exchange each peer's median own work per step since the last check and, without DDP's
+        bucket trace, its first non-finite observation (one small gather per check, none per
+        step); every peer reaches the same verdict. Returns (straggler findings, origin checks)."""
         # A step whose forward recorded inputs for a replay is slower on every rank, by a noisy
         # amount that would dilute the ratio test: judged on the other steps where there are any.
         samples = self._work_samples or self._armed_work_samples
-        local = statistics.median(samples) if samples else None
+        local = {"work": statistics.median(samples) if samples else None,
+                 "non_finite": None if self._local is None else self._local.first_non_finite,
+                 "what": [] if self._local is None else list(self._local.first_what)}
         self._work_samples, self._armed_work_samples = [], []
         values = wire.all_gather_json(local, group=self._replay_group, timeout_s=self._exchange_timeout_s)
         ranks = dist.get_process_group_ranks(self._replay_group)
-        timings = {r: float(v) for r, v in zip(ranks, values) if v is not None}
-        if len(timings) < 3:
-            return []
-        return [replace(f, evidence=dict(f.evidence, measure="rank_step_work"))
-                for f in self.rank_work.observe(timings)]
+        docs = dict(zip(ranks, values))
+        timings = {r: float(v["work"]) for r, v in docs.items() if v.get("work") is not None}
+        findings = [] if len(timings) < 3 else [replace(f, evidence=dict(f.evidence, measure="rank_step_work"))
+                                                for f in self.rank_work.observe(timings)]
+        origins = non_finite_origins({r: v.get("non_finite") for r, v in docs.items()})
+        if not origins or self._origin_reported:
+            return findings, []
+        self._origin_reported = True   # afterwards every replica holds the values: reported once
+        first = docs[origins[0]]["non_finite"]
+        detail = (f"non-finite values first appeared on ranks {list(origins)} at step {first[0]} (in "
+                  f"{docs[origins[0]]['what'][:8]}), before they crossed a collective; the other peers "
+                  "received them later or not yet")
+        logger.error("SCOUT: %s", detail)
+        signatures = {r: "finite" if v.get("non_finite") is None else "non-finite from step {}, op {}".format(
+            *v["non_finite"]) for r, v in docs.items()}
+        return findings, [CheckOutcome(check=NON_FINITE_CHECK, module_path="non_finite", group_ranks=tuple(ranks),
+                                       signatures=signatures, verdict=SDC, faulty=origins,
+                                       hosts={r: self._hosts.get(r, "") for r in origins}, detail=detail)]
 
     @contextlib.contextmanager
     def _own_section(self, op: str, step: int) -> Iterator[None]:
@@ -284,6 +332,8 @@ class ScoutHarness:
             yield
         if self._ddp_trace is not None:
             self._ddp_trace.released()
+        if self._local is not None:
+            self._local.released()
 
     def exclude_groups(self, *groups: Any) -> None:
         """Process groups lm-resiliency owns (GEMINI, certification agreement): their traffic is
@@ -297,6 +347,8 @@ class ScoutHarness:
         self.beacon.progress(step)
         if self.monitor is not None:
             self.monitor.check()  # a failed report callback or a dead monitor surfaces here
+        if self._local is not None and skipped:
+            self._local.skip()
         trace = self._ddp_trace.take_step(skipped) if self._ddp_trace is not None else None
         if trace is None:
             return None
@@ -330,6 +382,9 @@ class ScoutHarness:
         if self._ddp_trace is not None:
             self._ddp_trace.remove()
             self._ddp_trace = None
+        if self._local is not None:
+            self._local.remove()
+            self._local = None
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None

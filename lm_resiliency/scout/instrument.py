@@ -183,6 +183,9 @@ class CollectiveTrace:
     def __init__(self, beacon: ProgressBeacon) -> None:
         self.beacon = beacon
         self.active = False
+        # Sees every traced training collective (entering(name, args, kwargs) -> token, then
+        # left(token, async_op)): SCOUT's own-work timing and non-finite check (local_trace.py).
+        self.observer: Optional[Any] = None
         self._installed: List[Tuple[Any, str, Callable, Callable]] = []
         self._labels: Dict[int, Tuple[Any, Optional[str]]] = {}
         self._excluded: Dict[int, Any] = {}   # id -> group; holding it keeps the id from being reused
@@ -287,11 +290,17 @@ def _wrap(fn: Callable, name: str, handle: CollectiveTrace) -> Callable:
         op = name if group is None else handle._label(name, group)
         if op is None:
             return fn(*args, **kwargs)
+        observer = handle.observer
+        started = observer.entering(name, args, kwargs) if observer is not None else None
         beacon.enter(op)
+        result = None
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            return result
         finally:
             beacon.exit(op)
+            if observer is not None:
+                observer.left(started, result is not None)   # an async call returns its Work
 
     traced._lmr_trace_handle = handle  # type: ignore[attr-defined]
     traced._lmr_trace_original = fn  # type: ignore[attr-defined]

@@ -15,6 +15,8 @@ COMMUNICATION_STRAGGLER = "communication_straggler"
 HANG = "hang"
 DATALOADER_STALL = "dataloader_stall"
 CHECKPOINT_IO_STALL = "checkpoint_io_stall"
+# The check that names where non-finite values first appeared (resource "gradients:non_finite").
+NON_FINITE_CHECK = "gradients"
 
 SCOPE_RANK, SCOPE_PEER_GROUP, SCOPE_NODE, SCOPE_LINK, SCOPE_GPU = "rank", "peer_group", "node", "link", "gpu"
 
@@ -53,6 +55,7 @@ class CheckOutcome:
 
     check: str                      # "embedding" | "hidden" | "output" | "optimizer" | "parameters"
                                     # | "optimizer_state" | "live" | "input" | "backward"
+                                    # | "gradients" (non-finite origin, not a vote)
     module_path: str
     group_ranks: Tuple[int, ...]
     signatures: Dict[int, str]      # rank -> 64-bit signature (hex)
@@ -112,7 +115,7 @@ def replay_fault_reports(result: ReplayResult) -> List[SCOUTFaultReport]:
                     "group_ranks": list(check.group_ranks), "split": ranks_by_signature}
         if check.detail:
             evidence["detail"] = check.detail
-        if check.verdict == "sdc":
+        if check.verdict == "sdc" and check.check != NON_FINITE_CHECK:   # origins are not voted
             evidence["assumes"] = ("a strict healthy majority: ranks faulty alike that outnumber the healthy ones "
                                    "would look the same")
         if check.verdict == "sdc":

@@ -13,8 +13,9 @@ unique per session and call, and every wait is bounded by `full_sweep_timeout_s`
    the raw tensor bytes; no pickle);
 3. every peer replays the whole model forward on those bytes under `no_grad`, with the RNG seeded
    identically, temporary forward hooks signing the output of every catalog module (embedding,
-   every hidden layer, output) and signatures of each catalog module's parameters; buffers and
-   train/eval flags are restored afterwards; it publishes `signatures/<rank>`;
+   every hidden layer, output and the output rotation's remaining modules) and signatures of
+   each catalog module's parameters; buffers and train/eval flags are restored afterwards; it
+   publishes `signatures/<rank>`;
 4. every peer votes per module (`peers.vote`) on the same documents.
 
 Outcome: CLEAN (every module agreed bitwise), SDC (localized ranks and modules in the result),
@@ -101,10 +102,13 @@ class _NotRun(Exception):
 
 
 def _catalog_modules(catalog: ModuleCatalog) -> List[Tuple[str, str, nn.Module]]:
-    """(check, path, module) for every catalog module in forward order, each path once."""
+    """(check, path, module) for every catalog module, each path once: the classes in forward
+    order, then the output rotation's remaining modules (a final norm, a table on the root), so
+    the sweep signs every parameter of the model."""
     entries = [("embedding", *catalog.embedding)] if catalog.embedding else []
     entries += [("hidden", path, module) for path, module in catalog.hidden]
     entries += [("output", *catalog.output)] if catalog.output else []
+    entries += [("output", path, module) for path, module in catalog.remaining]
     seen, out = set(), []
     for check, path, module in entries:
         if path not in seen:

@@ -54,6 +54,18 @@ def _one_shot(hook):
     return state, fire
 
 
+def normed_detector(world):
+    """NormedLM under DDP with Adam and a ReplayDetector checking every step on all ranks:
+    (model, ddp, optimizer, detector)."""
+    torch.manual_seed(0)
+    model = NormedLM()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    detector = ReplayDetector(ddp, optimizer, ReplayHarnessConfig(check_interval=1), group=dist.group.WORLD,
+                              group_ranks=list(range(world)))
+    return model, ddp, optimizer, detector
+
+
 def detector_run(rank, world, steps, fault_rank, fault_path=None, one_shot_step=None, state_fault_after=None,
                  fault_from=1):
     """Train NormedLM under DDP with a check at every step. Faults on `fault_rank` only (an int,
@@ -61,12 +73,7 @@ def detector_run(rank, world, steps, fault_rank, fault_path=None, one_shot_step=
     forward from step `fault_from` on; `one_shot_step`: one sign flip
     in the head's live forward at that step; `state_fault_after`: after that step's optimizer
     step, Adam's exp_avg of `norm.bias` is nudged. Returns (coverage, {step: outcomes})."""
-    torch.manual_seed(0)
-    model = NormedLM()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    detector = ReplayDetector(ddp, optimizer, ReplayHarnessConfig(check_interval=1), group=dist.group.WORLD,
-                              group_ranks=list(range(world)))
+    model, ddp, optimizer, detector = normed_detector(world)
     faulty = fault_rank if isinstance(fault_rank, tuple) else (fault_rank,)
     results = {}
     for step in range(1, steps + 1):

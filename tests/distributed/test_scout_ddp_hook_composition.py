@@ -61,27 +61,33 @@ def _composition(rank, world):
         out["unknown_builtin"] = str(exc)
     session.close()
 
-    # A hook registered before the session cannot be wrapped: a warning, no trace.
+    # A hook registered before the session cannot be wrapped: it runs unchanged and SCOUT watches
+    # the parameters' gradients instead (test_scout_local_trace.py tests what that detects).
     model, ddp, optimizer = fresh()
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger(ddp_trace.__name__).addHandler(handler)
+    logger = logging.getLogger(ddp_trace.__name__)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False)
-    out["before"] = (session.scout._ddp_trace is None, [r.getMessage() for r in records])
+    out["before"] = (session.scout._ddp_trace is None, session.scout._local is not None,
+                     [(r.levelname, r.getMessage()) for r in records])
     session.close()
     return out
 
 
-def test_user_hooks_compose_or_fall_back_with_a_warning():
+def test_user_hooks_compose_whether_registered_after_or_before_the_session():
     for rank, out in enumerate(run_ranks(_composition, 2, timeout=150)):
         assert out["builtin_fp16_bitwise"], rank
         assert out["second"] == "register_comm_hook or register_builtin_comm_hook can only be called once."
         assert out["after_close"] == ([], [], False), out["after_close"]
         assert "not-a-hook-type" in out["unknown_builtin"] and "register_comm_hook" in out["unknown_builtin"]
-        off, messages = out["before"]
-        assert off and len(messages) == 1 and "allreduce_hook" in messages[0] and "trace is off" in messages[0]
+        no_bucket_trace, watched, messages = out["before"]
+        assert no_bucket_trace and watched and len(messages) == 1, out["before"]
+        level, message = messages[0]
+        assert level == "INFO" and "allreduce_hook" in message and "runs unchanged" in message, message
 
 
 def _scaler_skip(rank, world):

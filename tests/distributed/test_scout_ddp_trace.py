@@ -65,7 +65,8 @@ def _watchdog(out_dir, rank):
 # ----------------------------------------------------------------------------------------- hang
 
 
-def _ddp_hang(rank, world, out_dir, hung_rank, hang_step):
+def _ddp_hang(rank, world, out_dir, hung_rank, hang_step, user_hook_first=False):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lm_resiliency import ReplayHarnessConfig, enable_resiliency
@@ -74,6 +75,8 @@ def _ddp_hang(rank, world, out_dir, hung_rank, hang_step):
     torch.manual_seed(0)
     model = Tower()
     ddp = DDP(model)
+    if user_hook_first:   # SCOUT cannot wrap it and watches the parameters' gradients instead
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 
     def on_report(report):
@@ -104,9 +107,8 @@ def _ddp_hang(rank, world, out_dir, hung_rank, hang_step):
     return "not blocked"
 
 
-def test_ddp_hang_in_forward_is_named_exactly(tmp_path):
-    out_dir = str(tmp_path)
-    outcomes = run_ranks(_ddp_hang, 4, out_dir, 3, 10, timeout=120, check=False)
+def only_hang_report(out_dir, outcomes):
+    """Every rank exited cleanly and exactly one rank reported: (its report, when the rank blocked)."""
     assert [(o.rank, o.exitcode, o.error) for o in outcomes] == [(r, 0, None) for r in range(4)], outcomes
     reports = sorted(n for n in os.listdir(out_dir) if n.startswith("report-"))
     assert len(reports) == 1, reports
@@ -114,6 +116,13 @@ def test_ddp_hang_in_forward_is_named_exactly(tmp_path):
         report = json.load(f)
     with open(os.path.join(out_dir, "blocked.json")) as f:
         blocked_at = json.load(f)["at"]
+    return report, blocked_at
+
+
+def test_ddp_hang_in_forward_is_named_exactly(tmp_path):
+    out_dir = str(tmp_path)
+    outcomes = run_ranks(_ddp_hang, 4, out_dir, 3, 10, timeout=120, check=False)
+    report, blocked_at = only_hang_report(out_dir, outcomes)
     assert report["kind"] == "hang" and report["scope"] == "rank", report
     assert report["ranks"] == [3], report["evidence"]
     ops = {r: v["op"] for r, v in report["evidence"]["ranks"].items()}
@@ -355,13 +364,7 @@ def _fsdp2_hang(rank, world, out_dir, hung_rank, hang_step):
 def test_fsdp2_hang_in_forward_is_named_exactly(tmp_path):
     out_dir = str(tmp_path)
     outcomes = run_ranks(_fsdp2_hang, 4, out_dir, 1, 6, timeout=120, check=False)
-    assert [(o.rank, o.exitcode, o.error) for o in outcomes] == [(r, 0, None) for r in range(4)], outcomes
-    reports = sorted(n for n in os.listdir(out_dir) if n.startswith("report-"))
-    assert len(reports) == 1, reports
-    with open(os.path.join(out_dir, reports[0])) as f:
-        report = json.load(f)
-    with open(os.path.join(out_dir, "blocked.json")) as f:
-        blocked_at = json.load(f)["at"]
+    report, blocked_at = only_hang_report(out_dir, outcomes)
     assert report["kind"] == "hang" and report["scope"] == "rank", report
     assert report["ranks"] == [1], report["evidence"]
     latency = report["detected_at"] - blocked_at

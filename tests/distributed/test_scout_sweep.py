@@ -100,3 +100,41 @@ def test_sharded_model_is_not_swept_over_the_training_process_group(tmp_path):
         assert decision["mode"] == "recovery_verified"
         assert "no replay evidence is available (the model has sharded (FSDP2/HSDP DTensor) parameters" \
             in decision["reason"]
+
+
+def _final_norm(rank, world, folder, fault_rank):
+    """NormedLM (its final LayerNorm sits outside the embedding/hidden/output classes) trained two
+    steps under DDP; then one bit of `norm.weight` flips on `fault_rank` and every rank sweeps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+    from tests.distributed.scout_coverage_workloads import NormedLM
+
+    torch.manual_seed(0)
+    model = NormedLM()
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    session = enable_resiliency(ddp, optimizer, interval=2,
+                                checkpoint=InMemoryCkptConfig(disk_folder=folder, run_id="sweep-norm", timeout_s=60))
+    for step in range(2):
+        tokens = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(1000 * rank + step))
+        ddp(tokens).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == fault_rank:
+        with torch.no_grad():
+            model.norm.weight.view(torch.int32)[3] ^= 1 << 22
+    decision = session.prepare_recovery("hang").to_json()
+    swept = [path for _, path, _ in session.scout.sweep._modules]
+    session.close()
+    return decision, swept
+
+
+def test_sweep_covers_the_final_norm_outside_the_check_classes(tmp_path):
+    for decision, swept in run_ranks(_final_norm, WORLD, str(tmp_path), 1, timeout=200):
+        # The output rotation's remaining module is swept: every parameter of the model is signed.
+        assert swept == ["emb", "blocks.0", "blocks.1", "blocks.2", "head", "norm"]
+        assert decision["mode"] == "recovery_verified"
+        assert "SDC localized to ranks [1]" in decision["reason"]
+        assert "parameters norm" in decision["reason"] and "output norm" in decision["reason"]
