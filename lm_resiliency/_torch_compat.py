@@ -10,6 +10,8 @@ Each checked against torch 2.13.0 (tests/unit/test_torch_compat.py fails when on
   `_pre_forward_hook_handle`/`_post_forward_hook_handle` (their `.id` keys the module's
   `_forward_pre_hooks`/`_forward_hooks` dicts), `_cast_forward_inputs`, `_cast_output_dtype`:
   SCOUT unshards a module for a replay and runs it with only FSDP's dtype casts.
+- `nn.Module._non_persistent_buffers_set`: the buffers a module's state_dict leaves out, which
+  adapters capturing module by module leave out too (`wrappers.persistent_buffers`).
 - DDP: `_comm_hooks` (the Python comm hooks already registered), `_get_ddp_logging_data()
   ["comm_hook"]` (the name of any hook, C++ built-ins included) and `_use_python_reducer`
   (compiled autograd's reducer, which calls hooks per parameter, not per bucket): SCOUT's
@@ -20,7 +22,7 @@ Each checked against torch 2.13.0 (tests/unit/test_torch_compat.py fails when on
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -39,6 +41,11 @@ def root_mesh(mesh: Any) -> Any:
 def default_store() -> dist.Store:
     """The default process group's store."""
     return dist.distributed_c10d._get_default_store()
+
+
+def non_persistent_buffer_names(module: nn.Module) -> Set[str]:
+    """Names of `module`'s own buffers registered with `persistent=False`."""
+    return set(module._non_persistent_buffers_set)
 
 
 def fsdp_state(module: nn.Module) -> Any:

@@ -13,6 +13,8 @@ from typing import Dict, Iterator, Optional
 import torch
 from torch import nn
 
+from lm_resiliency._torch_compat import non_persistent_buffer_names
+
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
     # torch.compile loads torch._dynamo; a process that never imported it holds no OptimizedModule.
@@ -52,6 +54,6 @@ def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
     out = {}
     for prefix, sub in module.named_modules():
         for name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
+            if buffer is not None and name not in non_persistent_buffer_names(sub):
                 out[f"{prefix}.{name}" if prefix else name] = buffer
     return out

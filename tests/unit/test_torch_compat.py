@@ -43,6 +43,8 @@ def _on_real_objects(rank, world):
     assert compat.root_mesh(mesh["tp"]) is mesh, _fail("DeviceMesh._get_root_mesh")
     assert isinstance(compat.default_store(), dist.Store), _fail("_get_default_store")
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_buffer("cache", torch.zeros(2), persistent=False)
+    assert compat.non_persistent_buffer_names(model[1]) == {"cache"}, _fail("Module._non_persistent_buffers_set")
     fully_shard(model[0], mesh=mesh["dp"])
     layer = model[0]
     assert compat.fsdp_grouped_modules(layer) == (layer,), _fail("FSDPState._modules")
