@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from lm_resiliency._torch_compat import root_mesh
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.moe_workload import MaterializationError, ReplayWorkload, recipe_label
 from lm_resiliency.scout.peers import (
@@ -36,7 +37,7 @@ EXPERT_DATA_PARALLEL_DIMS = frozenset({"edp", "expert_dp", "expert_data_parallel
 
 
 def _mesh_triple(mesh: Any) -> Tuple[List[int], List[str], List[int]]:
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root_mesh(mesh) if hasattr(mesh, "_get_root_mesh") else mesh
     return list(root.shape), list(root.mesh_dim_names or []), root.mesh.flatten().tolist()
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_resiliency._torch_compat import default_store
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.recovery import SweepOutcome
 from lm_resiliency.scout.peers import CLEAN, voted_outcome
@@ -180,7 +181,7 @@ class FullCatalogSweep:
         deadline = time.monotonic() + self.timeout_s
         call = next(self._calls)
         try:
-            store = _bounded_store(dist.distributed_c10d._get_default_store(), self.timeout_s)
+            store = _bounded_store(default_store(), self.timeout_s)
             return self._sweep(_Exchange(store, f"{self._prefix}/call-{call}", deadline, self.timeout_s), step)
         except _NotRun as exc:
             return SweepReport(SweepOutcome.NOT_RUN, str(exc))
