@@ -41,7 +41,7 @@ import torch
 
 from lm_resiliency.adapter import StepCallbacks, Topology
 from lm_resiliency.adapters import _accelerate_compat as compat
-from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
+from lm_resiliency._torch_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 from lm_resiliency.config import DATALOADER_RESUME_MODES

@@ -24,7 +24,7 @@ from torch import nn
 
 from lm_resiliency._torch_compat import root_mesh
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
-from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
+from lm_resiliency._torch_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
 from lm_resiliency.wrappers import find_ddp, unwrap_model
 

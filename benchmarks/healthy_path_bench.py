@@ -6,7 +6,7 @@
 Linear(`--width`, `--width`) layers with DDP and Adam, one thread each. Four configurations
 live side by side in the same processes, each with its own model and optimizer (same
 initial weights): the unchanged loop (baseline), the same loop with only DDP's bucket layout
-pinned as `enable_resiliency` pins it (adapters/_ddp_compat.py; no session), the loop under
+pinned as `enable_resiliency` pins it (adapters/_torch_compat.py; no session), the loop under
 `enable_resiliency` with GEMINI at `--interval` (default 10) and the same at interval 1. After a
 warm-up (which also
 fills GEMINI's host slots), the configurations run in interleaved rounds of `--steps` steps,
@@ -137,7 +137,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
-    from lm_resiliency.adapters._ddp_compat import bucket_layout, pin_bucket_layout
+    from lm_resiliency._torch_compat import bucket_layout, pin_bucket_layout
 
     say = log if rank == 0 else (lambda m: None)
     install_hook_timers()

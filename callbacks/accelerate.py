@@ -204,7 +204,7 @@ class _FlagAttachment:
         self.done = False
 
     def note_prepared(self, accelerator: Any) -> None:
-        from lm_resiliency.adapters._ddp_compat import find_wrapper, pin_bucket_layout
+        from lm_resiliency._torch_compat import find_wrapper, pin_bucket_layout
         from lm_resiliency.adapters.accelerate import DataLoaderTracker, trackable
 
         if self.done:

@@ -119,12 +119,12 @@ def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None, 
     (default: flush, then every rank SIGKILLed), "kill_one" (rank 1 SIGKILLed, the others end without
     closing), "graceful" (`flush_for_restart()`, `close()`, exit); "shm_only" (no disk: slots in
     shared memory under `folder`), "replication_jump", "pin" (False: DDP's bucket layout is not
-    pinned, adapters/_ddp_compat.py)."""
+    pinned, adapters/_torch_compat.py)."""
     options = dict(options or {})
     if not options.get("pin", True):
-        from lm_resiliency.adapters import _ddp_compat
+        from lm_resiliency import _torch_compat
 
-        _ddp_compat._ENABLED = False
+        _torch_compat._ENABLED = False
     model, wrapped, features = build(kind, rank, options.get("ddp"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)

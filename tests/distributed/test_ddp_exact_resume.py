@@ -2,7 +2,7 @@
 
 DDP rebuilds its gradient buckets after its first iteration; a restarted process would spend its
 first iteration in the constructor's layout and, with 3+ ranks, sum some gradients in a different
-order. lm-resiliency pins one layout at attach (adapters/_ddp_compat.py). Each case stops after
+order. lm-resiliency pins one layout at attach (adapters/_torch_compat.py). Each case stops after
 step 7 (a non-capture step: interval 2), resumes at step 6 and must end bitwise equal to an
 uninterrupted run. With the pin switched off (`LMR_TEST_DDP_PIN=0`) every case but
 find_unused_parameters (whose layout DDP never rebuilds) fails; `test_unpinned_resume_differs`

@@ -281,7 +281,7 @@ def _train_plain_or_traced(rank, traced, user_hook, when):
         session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False)
     else:
         # The same gradient-bucket layout lm-resiliency pins at attach: only the trace differs.
-        from lm_resiliency.adapters._ddp_compat import pin_bucket_layout
+        from lm_resiliency._torch_compat import pin_bucket_layout
 
         session = None
         pin_bucket_layout(ddp)

@@ -112,15 +112,15 @@ def train_with_plugin(rank, world, folder, run_id, epochs=3, accum=2, kill_after
     """ResiliencyPlugin attached after prepare() (`entry_point=True`: through
     lm_resiliency.integrations.accelerate.enable_resiliency instead). Returns (resumed step, captured
     steps, batches this process consumed, final state). `forward`: see `build`; LMR_TEST_DDP_PIN=0
-    switches off the DDP bucket pin (adapters/_ddp_compat.py), to show what it prevents."""
+    switches off the DDP bucket pin (adapters/_torch_compat.py), to show what it prevents."""
     from lm_resiliency import InMemoryCkptConfig
     from lm_resiliency.callbacks.accelerate import ResiliencyPlugin, get_session
     from lm_resiliency.integrations.accelerate import enable_resiliency
 
     if os.environ.get("LMR_TEST_DDP_PIN") == "0":
-        from lm_resiliency.adapters import _ddp_compat
+        from lm_resiliency import _torch_compat
 
-        _ddp_compat._ENABLED = False
+        _torch_compat._ENABLED = False
     accelerator, model, optimizer, loader, scheduler = build(accum, forward)
     settings = dict(
         interval=2, resume_dataloaders=resume_dataloaders,
@@ -265,9 +265,9 @@ def run_script(rank, world, argv):
     from lm_resiliency.callbacks import accelerate as bootstrap
 
     if os.environ.get("LMR_TEST_DDP_PIN") == "0":
-        from lm_resiliency.adapters import _ddp_compat
+        from lm_resiliency import _torch_compat
 
-        _ddp_compat._ENABLED = False
+        _torch_compat._ENABLED = False
     bootstrap.main([os.path.abspath(__file__), *argv])
     atexit._run_exitfuncs()
 

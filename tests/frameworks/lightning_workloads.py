@@ -133,12 +133,12 @@ def fit_ddp(rank: int, world: int, folder: str, max_steps: int, *, accumulate: i
             forward: bool = False) -> Dict[str, Any]:
     """One `trainer.fit` on this rank. Returns the recovered step, the data seen and the final state.
     `forward`: ForwardNet over several DDP buckets. LMR_TEST_DDP_PIN=0 switches off the DDP bucket
-    pin (adapters/_ddp_compat.py), to show what it prevents."""
+    pin (adapters/_torch_compat.py), to show what it prevents."""
     L.seed_everything(0, verbose=False)
     if os.environ.get("LMR_TEST_DDP_PIN") == "0":
-        from lm_resiliency.adapters import _ddp_compat
+        from lm_resiliency import _torch_compat
 
-        _ddp_compat._ENABLED = False
+        _torch_compat._ENABLED = False
     if forward:
         from lightning.pytorch.strategies import DDPStrategy
 

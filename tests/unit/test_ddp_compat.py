@@ -1,4 +1,4 @@
-"""adapters/_ddp_compat.py: the private torch API it relies on, and what the pin does to a DDP.
+"""adapters/_torch_compat.py: the private torch API it relies on, and what the pin does to a DDP.
 
 The first test fails loudly when a torch upgrade renames or reshapes any private name the pin
 uses; the others run real DDP over gloo (2 ranks, tests/harness.py)."""
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lm_resiliency.adapters import _ddp_compat
+from lm_resiliency import _torch_compat
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,7 +23,7 @@ def test_private_torch_api_is_the_checked_one():
     assert list(helper.parameters) == ["self", "parameters", "expect_sparse_gradient", "param_to_name_mapping",
                                        "static_graph"], (
         f"torch {torch.__version__} changed DistributedDataParallel._ddp_init_helper (checked against "
-        f"{_ddp_compat.TORCH_CHECKED}): review adapters/_ddp_compat.py")
+        f"{_torch_compat.TORCH_CHECKED}): review adapters/_torch_compat.py")
     for name in ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_get_ddp_logging_data",
                  "_set_static_graph"):
         assert callable(getattr(DDP, name, None)), f"DistributedDataParallel.{name} is gone"
@@ -64,11 +64,11 @@ def _pinned_then_trained(rank, world, ddp_kw, pin):
     if hook is not None:  # registered before the pin: it must carry over to the new reducer
         ddp.register_comm_hook(None, getattr(default_hooks, hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pinned = _ddp_compat.pin_bucket_layout(ddp) if pin else None
-    layout = _ddp_compat.bucket_layout(ddp)
+    pinned = _torch_compat.pin_bucket_layout(ddp) if pin else None
+    layout = _torch_compat.bucket_layout(ddp)
     grads = [_step(ddp, optimizer, rank, step) for step in range(3)]
     hooks = [h.__name__ for h, _ in ddp._comm_hooks]
-    return pinned, layout, _ddp_compat.bucket_layout(ddp), grads, _ddp_compat.find_wrapper(model) is ddp, hooks
+    return pinned, layout, _torch_compat.bucket_layout(ddp), grads, _torch_compat.find_wrapper(model) is ddp, hooks
 
 
 # A bucket closes once it reaches bucket_cap_mb (about 2 KB here).
@@ -107,19 +107,19 @@ class _Warnings(logging.Handler):
 def _refusals(rank, world):
     torch.manual_seed(0)
     warnings = _Warnings()
-    logging.getLogger(_ddp_compat.__name__).addHandler(warnings)
+    logging.getLogger(_torch_compat.__name__).addHandler(warnings)
     results = {"warnings": warnings.messages}
     trained = DDP(Forward(), bucket_cap_mb=0.005)
     _step(trained, torch.optim.SGD(trained.parameters(), lr=0.1), rank, 0)
     _step(trained, torch.optim.SGD(trained.parameters(), lr=0.1), rank, 1)
-    results["trained"] = _ddp_compat.pin_bucket_layout(trained)
+    results["trained"] = _torch_compat.pin_bucket_layout(trained)
     hooked = DDP(Forward())
     hooked._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-    results["comm_hook"] = _ddp_compat.pin_bucket_layout(hooked)
+    results["comm_hook"] = _torch_compat.pin_bucket_layout(hooked)
     unused = DDP(Forward(), bucket_cap_mb=0.005, find_unused_parameters=True)
-    layout = _ddp_compat.bucket_layout(unused)
-    results["find_unused"] = (_ddp_compat.pin_bucket_layout(unused), layout == _ddp_compat.bucket_layout(unused))
-    results["unwrapped"] = _ddp_compat.find_wrapper(Forward())
+    layout = _torch_compat.bucket_layout(unused)
+    results["find_unused"] = (_torch_compat.pin_bucket_layout(unused), layout == _torch_compat.bucket_layout(unused))
+    results["unwrapped"] = _torch_compat.find_wrapper(Forward())
     return results
 
 
@@ -136,9 +136,9 @@ def test_refuses_what_it_cannot_pin_and_leaves_fixed_layouts():
 
 
 def test_switched_off_does_nothing():
-    assert _ddp_compat._ENABLED
-    _ddp_compat._ENABLED = False
+    assert _torch_compat._ENABLED
+    _torch_compat._ENABLED = False
     try:
-        assert _ddp_compat.pin_bucket_layout(object()) is False
+        assert _torch_compat.pin_bucket_layout(object()) is False
     finally:
-        _ddp_compat._ENABLED = True
+        _torch_compat._ENABLED = True
