@@ -41,6 +41,7 @@ def test_killed_run_resumes_bitwise_with_gradient_accumulation(tmp_path, kill_af
     _kill_and_resume(tmp_path, kill_after, resumed_at, batches_left, mode, entry_point=False)
 
 
+@pytest.mark.timeout(240)
 def test_explicit_entry_point_resumes_bitwise(tmp_path):
     """lm_resiliency.integrations.accelerate.enable_resiliency(accelerator, ...) is the same plugin."""
     _kill_and_resume(tmp_path, 5, 4, 8, "auto", entry_point=True)
@@ -176,6 +177,7 @@ def test_flag_four_ranks_forward_order_model_resumes_bitwise(tmp_path):
                     {k: v for k, v in uninterrupted.items() if k != "batches"}, f"rank {rank}")
 
 
+@pytest.mark.timeout(240)
 def test_flag_under_torchrun_launcher(tmp_path):
     """The real command line: torchrun ... -m lm_resiliency.callbacks.accelerate script.py. A first
     launch trains one epoch; a second launch of the same command with --epochs 2 resumes from the
@@ -189,7 +191,7 @@ def test_flag_under_torchrun_launcher(tmp_path):
                "-m", "lm_resiliency.callbacks.accelerate", WORKLOAD]
     for epochs, out in ((1, "first"), (2, "second")):
         done = subprocess.run(command + ["--out", str(tmp_path / out), "--epochs", str(epochs)], env=env,
-                              capture_output=True, text=True, timeout=42)
+                              capture_output=True, text=True, timeout=90)
         results = [tmp_path / out / f"rank{r}.pt" for r in range(2)]
         assert all(p.exists() for p in results), done.stdout[-3000:] + done.stderr[-3000:]
     for rank in range(2):
@@ -199,6 +201,7 @@ def test_flag_under_torchrun_launcher(tmp_path):
         assert second["scheduler"]["last_epoch"] == 6 * 2  # resumed at step 3, not from scratch
 
 
+@pytest.mark.timeout(240)
 def test_flag_under_accelerate_launch(tmp_path):
     """`accelerate launch -m lm_resiliency.callbacks.accelerate script.py` (one CPU process,
     DistributedType NO): the second launch resumes from the first one's flushed capture."""
@@ -215,7 +218,7 @@ def test_flag_under_accelerate_launch(tmp_path):
                "-m", "lm_resiliency.callbacks.accelerate", WORKLOAD]
     for epochs, out in ((1, "first"), (2, "second")):
         done = subprocess.run(command + ["--out", str(tmp_path / out), "--epochs", str(epochs)], env=env,
-                              capture_output=True, text=True, timeout=42)
+                              capture_output=True, text=True, timeout=90)
         assert (tmp_path / out / "rank0.pt").exists(), done.stdout[-3000:] + done.stderr[-3000:]
     first, second = _load(tmp_path / "first" / "rank0.pt"), _load(tmp_path / "second" / "rank0.pt")
     # One process: 10 micro-batches per epoch, 5 optimizer steps.
