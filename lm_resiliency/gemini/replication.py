@@ -11,7 +11,7 @@ import logging
 import os
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -187,7 +187,7 @@ class PeerReplicator:
         finally:
             self._settle(in_flight)
 
-    def _settle(self, in_flight: deque) -> None:
+    def _settle(self, in_flight: Iterable[list]) -> None:
         """After a failure, wait out what is still posted (bounded) so no receive outlives the
         exchange and writes into a buffer that is reused later."""
         for works in in_flight:
@@ -203,13 +203,17 @@ class PeerReplicator:
         """Post a send of `outgoing` and a receive into `incoming` = (buffer, its final byte, or
         None for a control frame, which checks itself)."""
         works: list = []
-        if outgoing is not None:
-            works.append(dist.isend(outgoing, self.pairing.send_to, group=self.group, tag=self._tag))
-        if incoming is not None:
-            buffer, last = incoming
-            receive = wire.Receive(buffer, 0 if last is None else last, self.pairing.recv_from,
-                                   self.group, self._tag)
-            works.append(receive.work if last is None else receive)
+        try:
+            if outgoing is not None:
+                works.append(dist.isend(outgoing, self.pairing.send_to, group=self.group, tag=self._tag))
+            if incoming is not None:
+                buffer, last = incoming
+                receive = wire.Receive(buffer, 0 if last is None else last, self.pairing.recv_from,
+                                       self.group, self._tag)
+                works.append(receive.work if last is None else receive)
+        except RuntimeError as exc:  # a link already closed refuses the post itself
+            self._settle([works])
+            raise RuntimeError(self._where(exc)) from exc
         return works
 
     def _wait(self, works: list) -> None:
@@ -224,5 +228,8 @@ class PeerReplicator:
             except (RuntimeError, TimeoutError) as exc:
                 first = first or exc
         if first is not None:
-            raise type(first)(f"step {self._step}, sending to rank {self.pairing.send_to} and receiving "
-                              f"from rank {self.pairing.recv_from}: {first}") from first
+            raise type(first)(self._where(first)) from first
+
+    def _where(self, error: BaseException) -> str:
+        return (f"step {self._step}, sending to rank {self.pairing.send_to} and receiving from rank "
+                f"{self.pairing.recv_from}: {error}")
