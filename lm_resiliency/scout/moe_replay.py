@@ -23,6 +23,7 @@ from lm_resiliency.scout.peers import (
     DATA_PARALLEL_DIMS,
     UnknownLayoutError,
     dense_peer_groups,
+    explicit_peer_groups,
     mesh_peer_groups,
     peer_groups_from_topology,
 )
@@ -49,7 +50,8 @@ def expert_peer_groups(mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequen
     From a device mesh `(shape, dim names, ranks in mesh order)` whose dimensions are all named
     (EP: "ep"; expert TP: "etp"/"tp"; expert DP: "edp" or a data-parallel name), else from the
     topology descriptor's `ep` (and `etp`) degrees with expert TP innermost, then EP (Megatron's
-    layout). Raises `UnknownLayoutError` rather than guess."""
+    layout), unless the descriptor carries the framework's own `expert_peer_groups` (the Megatron
+    adapter's). Raises `UnknownLayoutError` rather than guess."""
     if mesh is not None:
         shape, names, ranks = list(mesh[0]), list(mesh[1] or ()), list(mesh[2])
         if sorted(ranks) != list(range(world_size)):
@@ -61,6 +63,8 @@ def expert_peer_groups(mesh: Optional[Tuple[Sequence[int], Sequence[str], Sequen
                                      f"{sorted(EXPERT_PARALLEL_DIMS)}, expert TP {sorted(EXPERT_TP_DIMS)} or expert "
                                      f"data parallel {sorted(EXPERT_DATA_PARALLEL_DIMS)}; got {names or shape}")
         return mesh_peer_groups(shape, names, ranks, [n for n in names if n in EXPERT_DATA_PARALLEL_DIMS])
+    if descriptor.get("expert_peer_groups") is not None:  # read from the framework (Megatron's expert-DP groups)
+        return explicit_peer_groups(descriptor["expert_peer_groups"], world_size)
     ep = descriptor.get("ep", descriptor.get("expert_parallel_size"))
     if ep is None:
         raise UnknownLayoutError("expert replay needs the expert-parallel layout: pass ReplayWorkload(device_mesh=...) "

@@ -136,7 +136,7 @@ class UnknownLayoutError(ValueError):
     """The parallel layout does not say which ranks compute the same thing; SCOUT will not guess."""
 
 
-def _explicit_groups(groups: object, world_size: int) -> List[List[int]]:
+def explicit_peer_groups(groups: object, world_size: int) -> List[List[int]]:
     """A descriptor's own `peer_groups` (an adapter that reads them from its framework, e.g.
     Megatron's data-parallel groups): used as given once they partition the job's ranks."""
     if not isinstance(groups, (list, tuple)) or not all(
@@ -177,7 +177,7 @@ def peer_groups_from_topology(descriptor: Dict[str, object], world_size: int,
     if not _positive_int(world_size):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if descriptor.get("peer_groups") is not None:
-        return _explicit_groups(descriptor["peer_groups"], world_size)
+        return explicit_peer_groups(descriptor["peer_groups"], world_size)
     if "peer_layout" in descriptor:
         mesh = _declared_layout(descriptor["peer_layout"], world_size)
     if mesh is None:

@@ -120,3 +120,16 @@ def test_cli_rejects_bad_input_with_a_clear_error(tmp_path, overrides, message):
     proc, out = _cli(tmp_path, **overrides)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_expert_peers_come_from_the_frameworks_own_groups():
+    """Megatron's adapter publishes its expert-data-parallel groups: they win over an `ep` degree
+    (which assumes Megatron's default rank order) and must partition the job."""
+    from lm_resiliency.scout.moe_replay import expert_peer_groups
+    from lm_resiliency.scout.peers import UnknownLayoutError
+
+    declared = {"expert_peer_groups": [[1, 3], [0, 2]], "ep": 2}
+    assert expert_peer_groups(None, declared, 4) == [[0, 2], [1, 3]]
+    assert expert_peer_groups(None, {"ep": 2}, 4) == [[0, 2], [1, 3]]
+    with pytest.raises(UnknownLayoutError, match="do not partition the 4 ranks"):
+        expert_peer_groups(None, {"expert_peer_groups": [[0, 1], [1, 2]]}, 4)
