@@ -146,7 +146,8 @@ class ResiliencySession:
                                                            "the checkpoint-trust agreement group")
                     self.scout.exclude_groups(self._agreement_group)
                 self.ledger = CertificationLedger(self.scout.catalog_size, self.manager.store,
-                                                  group=self._agreement_group, durable=durable_checkpoint)
+                                                  group=self._agreement_group, durable=durable_checkpoint,
+                                                  dynamic=self.scout.catalog_dynamic)
                 self.manager.protected_steps = self._protected_steps
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "

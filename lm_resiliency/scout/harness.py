@@ -211,6 +211,11 @@ class ScoutHarness:
         """K, the replay recipes in one certification cycle: the workload's recipes, else 1 (dense)."""
         return self.workload_detector.cycle_length if self.workload_detector is not None else 1
 
+    @property
+    def catalog_dynamic(self) -> bool:
+        """A workload (MoE) catalog: certified through CANDIDATE even when it has one recipe."""
+        return self.workload_detector is not None
+
     def cycle_complete(self, step: int) -> bool:
         """Whether the check at `step` ran the last recipe of a workload cycle (always, when dense)."""
         detector = self.workload_detector

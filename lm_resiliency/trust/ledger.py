@@ -37,6 +37,7 @@ class CertificationLedger:
     """The checkpoint-trust state machine of one rank (rules: the `lm_resiliency.trust` docstring).
 
     catalog_size: K, the number of replay-shape recipes in one cycle (1 = dense).
+    dynamic: a dynamic catalog (MoE recipes): the candidate protocol even at K = 1.
     status_store: a `StatusStore` (GEMINI's `NodeLocalStore`); trust lives under its ``"trust"`` key.
     group: the gloo process group of the checkpoint ranks for job-wide agreement; None only for a
         single-process job. With a group, construction, `boundary` and `load_verified_durable` are
@@ -45,7 +46,7 @@ class CertificationLedger:
     """
 
     def __init__(self, catalog_size: int, status_store: StatusStore, *, group: Any = None,
-                 durable: Optional[DurableCheckpointConfig] = None) -> None:
+                 durable: Optional[DurableCheckpointConfig] = None, dynamic: bool = False) -> None:
         if not is_int(catalog_size) or catalog_size < 1:
             raise ConfigError(f"CertificationLedger.catalog_size: must be a positive integer, got {catalog_size!r}")
         for method in ("write_status", "read_status"):
@@ -68,7 +69,7 @@ class CertificationLedger:
         self._group = group
         self._durable = durable
         self._manifests = ManifestStore(durable.manifest_dir, durable.environment_id) if durable else None
-        self._state = rules.TrustState(catalog_size)
+        self._state = rules.TrustState(catalog_size, dynamic=bool(dynamic))
         self._open()
 
     def _open(self) -> None:

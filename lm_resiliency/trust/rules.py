@@ -40,6 +40,9 @@ class TrustState:
     not (a restart never continues a cycle)."""
 
     catalog_size: int
+    # A dynamic catalog (MoE recipes) goes through CANDIDATE even when it compresses to K = 1;
+    # only a dense catalog certifies at once. Not persisted: the session sets it from SCOUT.
+    dynamic: bool = False
     candidate: Optional[Entry] = None
     history: Tuple[Entry, ...] = ()          # RECOVERY_VERIFIED, newest first
     sdc_step: Optional[int] = None
@@ -47,6 +50,11 @@ class TrustState:
     last_step: Optional[int] = None
     cycle_seen: int = 0
     cycle_tainted: bool = False
+
+    @property
+    def immediate(self) -> bool:
+        """Dense (K = 1, not dynamic): an accepted check's capture is RECOVERY_VERIFIED at once."""
+        return self.catalog_size == 1 and not self.dynamic
 
     @property
     def candidate_step(self) -> Optional[int]:
@@ -342,11 +350,11 @@ def plan_boundary(state: TrustState, event: BoundaryEvent) -> Tuple[TrustState, 
             plan = Plan(quarantine=(state.candidate[0], state.candidate[1],
                                     f"SDC detected at step {step} (reported by group ranks {list(sdc_ranks)})"))
     elif cycle_end and not latched:
-        if certified and state.catalog_size == 1:
+        if certified and state.immediate:
             plan = Plan(save=step, verify_new=True)
         elif certified:
             plan = Plan(commit=state.candidate, save=step)
-        elif tainted and state.candidate is not None and state.catalog_size > 1:
+        elif tainted and state.candidate is not None and not state.immediate:
             plan = Plan(quarantine=(state.candidate[0], state.candidate[1],
                                     f"not certified: the cycle ending at step {step} was not a complete accepted "
                                     "cycle (inconclusive or incomplete SCOUT evidence)"))

@@ -40,6 +40,19 @@ def test_two_cycle_protocol_promotes_the_candidate_after_the_following_clean_cyc
     assert all(d.capture for d in decisions)
 
 
+
+def test_a_dynamic_catalog_of_one_recipe_still_goes_through_candidate():
+    """The GEMINI guide: only dense replay (K = 1) certifies at once; a MoE catalog that
+    compresses to one recipe uses the two-cycle candidate protocol."""
+    dense = rules.TrustState(catalog_size=1)
+    dense, d = boundary(dense, 4, ["clean"] * 3)
+    assert d.state == RECOVERY_VERIFIED and dense.verified_steps() == [4]
+    moe = rules.TrustState(catalog_size=1, dynamic=True)
+    moe, first = boundary(moe, 4, ["clean"] * 3)
+    moe, second = boundary(moe, 8, ["clean"] * 3)
+    assert (first.state, second.state) == (CANDIDATE, CANDIDATE)
+    assert moe.verified_steps() == [4] and moe.candidate == (8, None)
+
 def test_sdc_latches_verified_only_recovery_and_quarantines_the_candidate():
     state = rules.TrustState(catalog_size=1)
     state, first = boundary(state, 5, ["clean", "clean", "clean"])
