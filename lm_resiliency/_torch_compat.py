@@ -211,7 +211,7 @@ def pin_bucket_layout(ddp: nn.Module) -> bool:
 def _unpinnable(ddp: nn.Module) -> str | None:
     if getattr(ddp, "reducer", None) is None:
         return "this DDP has no reducer (every parameter is all-reduced by a delayed hook)"
-    if ddp._use_python_reducer:
+    if uses_python_reducer(ddp):
         return "this DDP uses the Python reducer (compiled autograd)"
     if ddp._has_rebuilt_buckets or any(p.grad is not None for p in ddp.module.parameters()):
         return ("DDP already ran a backward pass before lm-resiliency attached; attach "

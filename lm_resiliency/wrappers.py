@@ -53,7 +53,8 @@ def persistent_buffers(module: nn.Module) -> Dict[str, torch.Tensor]:
     framework rebuilds, are left out), by qualified name."""
     out = {}
     for prefix, sub in module.named_modules():
+        left_out = non_persistent_buffer_names(sub)
         for name, buffer in sub.named_buffers(recurse=False):
-            if buffer is not None and name not in non_persistent_buffer_names(sub):
+            if buffer is not None and name not in left_out:
                 out[f"{prefix}.{name}" if prefix else name] = buffer
     return out
