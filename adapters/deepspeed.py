@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
 from lm_resiliency.attach import AttachOptions
-from lm_resiliency.config import read_settings
+from lm_resiliency.settings import read_settings
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def read_config_section(engine: Any) -> Dict[str, Any]:
     """Validated values of the optional `"lm_resiliency"` section of the engine's DeepSpeed config.
 
     DeepSpeed keeps unknown top-level keys and ignores them, so the section travels in the same
-    JSON file. Its keys and checks are a policy file's (`lm_resiliency.config.read_settings`):
+    JSON file. Its keys and checks are a policy file's (`lm_resiliency.settings.read_settings`):
     unknown keys and bad values raise ConfigError naming the key.
     """
     section = engine_config(engine).get(CONFIG_SECTION)

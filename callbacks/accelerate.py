@@ -18,7 +18,7 @@ that runs the unchanged script:
     LM_RESILIENCY=1 torchrun --nproc-per-node 8 -m lm_resiliency.callbacks.accelerate train.py
 
 The bootstrap wraps `Accelerator.prepare`; each prepared accelerator gets a `ResiliencyPlugin`
-(settings from the `LM_RESILIENCY*` variables or a policy file: `lm_resiliency.config.ResiliencyPolicy`,
+(settings from the `LM_RESILIENCY*` variables or a policy file: `lm_resiliency.settings.ResiliencyPolicy`,
 shared with Lightning's entry point), attached and recovered at the first use of the
 prepared objects (first dataloader iteration or model forward), so everything the script prepares
 before its loop is covered. With `LM_RESILIENCY` unset (or 0/false/no/off) the bootstrap only runs
@@ -40,7 +40,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from lm_resiliency.adapters import _accelerate_compat as compat
 from lm_resiliency.attach import AttachOptions, attach
-from lm_resiliency.config import DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig, ResiliencyPolicy
+from lm_resiliency.config import DATALOADER_RESUME_MODES, ConfigError, InMemoryCkptConfig
+from lm_resiliency.settings import ResiliencyPolicy
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.session import ResiliencySession

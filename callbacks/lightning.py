@@ -6,7 +6,7 @@
 
 Or with no code change: `LM_RESILIENCY=1` (or a policy-file path) in the environment adds the
 callback through Lightning's `callbacks_factory` entry point (`callbacks_from_env`); the
-variables and the policy file are `lm_resiliency.config.ResiliencyPolicy`'s.
+variables and the policy file are `lm_resiliency.settings.ResiliencyPolicy`'s.
 
 Lifecycle translation (the adapter holds the state; the session does capture/replay/recovery):
 
@@ -32,7 +32,8 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 from lm_resiliency.attach import AttachOptions, attach
-from lm_resiliency.config import InMemoryCkptConfig, ResiliencyPolicy
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.settings import ResiliencyPolicy
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport
@@ -316,7 +317,7 @@ def oob_metrics(reports: List[SCOUTFaultReport]) -> Dict[str, float]:
 def callbacks_from_env() -> List[Any]:
     """Entry point for `lightning.pytorch.callbacks_factory` (and `pytorch_lightning.callbacks_factory`):
     a ResiliencyCallback when LM_RESILIENCY is set, otherwise nothing. The variables and policy
-    files are `lm_resiliency.config.ResiliencyPolicy`'s, shared with the Accelerate flag."""
+    files are `lm_resiliency.settings.ResiliencyPolicy`'s, shared with the Accelerate flag."""
     policy = ResiliencyPolicy.from_environment()
     if policy is None:
         return []

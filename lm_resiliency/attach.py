@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from lm_resiliency._values import is_int
 from lm_resiliency.adapter import FrameworkAdapter
-from lm_resiliency.config import SETTINGS_KEYS, ConfigError, InMemoryCkptConfig
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.settings import SETTINGS_KEYS
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.trust import DurableCheckpointConfig
 from lm_resiliency.scout.config import ReplayHarnessConfig

@@ -1,8 +1,8 @@
 """GEMINI's `InMemoryCkptConfig` (every field validated at construction; errors name the field) and
-the one reader of every `LM_RESILIENCY*` variable: the opt-in policy (`ResiliencyPolicy`, with its
-policy files and the DeepSpeed config section, `read_settings`) and the variables read whatever
-LM_RESILIENCY says (`env_run_id`, `env_keep_shared_memory`, `env_resume_step`). SCOUT's
-`ReplayHarnessConfig` is `scout/config.py`."""
+the one reader of every `LM_RESILIENCY*` variable: the opt-in policy's (`read_policy_environment`;
+the policy itself, its files and `read_settings` are `lm_resiliency.settings`, a layer up, since
+they build SCOUT's `ReplayHarnessConfig`) and the variables read whatever LM_RESILIENCY says
+(`env_run_id`, `env_keep_shared_memory`, `env_resume_step`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any, Dict, Mapping, Optional
 # importing this module; they stay importable from here.
 from lm_resiliency._values import MAX_SECONDS, ConfigError, is_seconds
 from lm_resiliency._values import is_int as _is_int
-from lm_resiliency.files import loads_strict_json
 
 _MIB = 1024 * 1024
 DEFAULT_REAP_OTHER_RUNS_AFTER_S = 24 * 3600.0
@@ -102,186 +101,55 @@ class InMemoryCkptConfig:
                  f"must be a number of seconds >= 0 (math.inf: never), got {self.reap_other_runs_after_s!r}")
 
 
-# ------------------------------------------------------------------ settings and the opt-in policy
+# ------------------------------------------------------------------ the opt-in policy's variables
 
-# The keys every settings mapping accepts: a policy file, the DeepSpeed config's "lm_resiliency" section.
-SETTINGS_KEYS = ("interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "recovery_mode")
-POLICY_SCHEMA_VERSION = 1
+ENABLE_ENV = "LM_RESILIENCY"
 # What Accelerate's prepared dataloaders do after a recovery (see lm_resiliency.adapters.accelerate).
 DATALOADER_RESUME_MODES = ("auto", "continue", "manual")
-ENABLE_ENV = "LM_RESILIENCY"
-# A policy file needs two levels (a table of tables); anything much deeper is not a policy.
-_MAX_POLICY_DEPTH = 16
 # Integer variables: ASCII digits only (int() also takes '1_000' and other scripts' digits), bounded.
 _MAX_ENV_DIGITS = 9
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
-def read_settings(data: Any, where: str, field_prefix: str) -> Dict[str, Any]:
-    """Validated `enable_resiliency` keyword arguments from a mapping of `SETTINGS_KEYS`:
-    `interval` (int), `checkpoint` / `replay` (tables of InMemoryCkptConfig / ReplayHarnessConfig
-    fields), `enable_checkpoint` / `enable_detection` (bool), `recovery_mode` ("latest" or
-    "recovery_verified"). Errors are ConfigError: `where` names the mapping, `field_prefix + key`
-    the offending field."""
-    from lm_resiliency.recovery import RecoveryMode
-    from lm_resiliency.scout.config import ReplayHarnessConfig
-
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: must be an object/table, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(SETTINGS_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted keys: {list(SETTINGS_KEYS)}")
-    values: Dict[str, Any] = {}
-    if "interval" in data:
-        if not _is_int(data["interval"]) or data["interval"] < 1:
-            raise ConfigError(f"{field_prefix}interval: must be a positive int, got {data['interval']!r}")
-        values["interval"] = data["interval"]
-    for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
-        if key not in data:
-            continue
-        table = data[key]
-        if not isinstance(table, dict):
-            raise ConfigError(f"{field_prefix}{key}: must be an object/table of {cls.__name__} fields, got {table!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(table) - known)
-        if bad:
-            raise ConfigError(f"{field_prefix}{key}: unknown {cls.__name__} field(s) {bad}; accepted: {sorted(known)}")
-        try:
-            values[key] = cls(**table)
-        except ConfigError as exc:
-            raise ConfigError(f"{field_prefix}{key}: {exc}") from None
-    for key in ("enable_checkpoint", "enable_detection"):
-        if key in data:
-            if not isinstance(data[key], bool):
-                raise ConfigError(f"{field_prefix}{key}: must be true or false, got {data[key]!r}")
-            values[key] = data[key]
-    if "recovery_mode" in data:
-        try:
-            values["recovery_mode"] = RecoveryMode(data["recovery_mode"])
-        except ValueError:
-            raise ConfigError(f"{field_prefix}recovery_mode: must be one of {[m.value for m in RecoveryMode]}, "
-                              f"got {data['recovery_mode']!r}") from None
-    return values
-
-
 @dataclass(frozen=True)
-class ResiliencyPolicy:
-    """What the zero-code opt-ins enable (Lightning's `callbacks_factory` entry point, Accelerate's
-    launcher bootstrap): the `LM_RESILIENCY*` environment, optionally with a policy file.
+class PolicyEnvironment:
+    """The validated `LM_RESILIENCY*` variables of the zero-code opt-ins (what
+    `lm_resiliency.settings.ResiliencyPolicy` is built from). `policy_file` is LM_RESILIENCY's
+    path, or None when it just says "on"; `checkpoint` holds InMemoryCkptConfig field overrides."""
 
-    LM_RESILIENCY                      1/true/yes/on: enable; unset/empty/0/false/no/off: inert
-                                       (nothing else is read); any other value: a policy file path
-    LM_RESILIENCY_INTERVAL             capture (and SCOUT check) every N optimizer steps (default 10)
-    LM_RESILIENCY_DIR                  node-local checkpoint folder (checkpoint.disk_folder)
-    LM_RESILIENCY_DISK_FLUSH_INTERVAL  flush to it every N steps (checkpoint.disk_flush_interval; 0: never)
-    LM_RESILIENCY_SHM_DIR              host-slot directory (checkpoint.shared_memory_dir)
-    LM_RESILIENCY_DETECTION            1/0: SCOUT on/off (enable_detection)
-    LM_RESILIENCY_DATALOADER_RESUME    Accelerate only: auto, continue or manual
-    LM_RESILIENCY_RUN_ID               run identity across restarts (read by GEMINI itself)
-
-    Read whatever LM_RESILIENCY says (`env_run_id`, `env_keep_shared_memory`, `env_resume_step`):
-    LM_RESILIENCY_RUN_ID, LM_RESILIENCY_KEEP_SHARED_MEMORY (1: keep shared-memory slots at close)
-    and LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP (the fault kit's resume step).
-
-    A policy file (`.toml`, or `.json` with the same structure) is strict and versioned:
-    `schema_version = 1` plus any of `SETTINGS_KEYS`; variables that are set override it.
-    """
-
+    policy_file: Optional[str] = None
     interval: Optional[int] = None
-    checkpoint: Optional[InMemoryCkptConfig] = None
-    replay: Any = None  # a ReplayHarnessConfig
-    enable_checkpoint: bool = True
-    enable_detection: bool = True
-    recovery_mode: Any = None  # a RecoveryMode
+    checkpoint: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    enable_detection: Optional[bool] = None
     resume_dataloaders: Optional[str] = None
-    source: Optional[str] = None  # the policy file, if any
 
-    @classmethod
-    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["ResiliencyPolicy"]:
-        """The policy `LM_RESILIENCY*` asks for, or None when LM_RESILIENCY is off. Bad values and
-        bad policy files raise ConfigError naming the variable, or the file and the field."""
-        env = os.environ if environ is None else environ
-        switch = env.get(ENABLE_ENV, "").strip()
-        if switch.lower() in ("",) + _OFF:
-            return None
-        policy = cls() if switch.lower() in _ON else cls.from_file(switch)
-        values: Dict[str, Any] = {}
-        interval = _env_int(env, "LM_RESILIENCY_INTERVAL", 1)
-        if interval is not None:
-            values["interval"] = interval
-        overrides: Dict[str, Any] = {}
-        for name, field in (("LM_RESILIENCY_DIR", "disk_folder"), ("LM_RESILIENCY_SHM_DIR", "shared_memory_dir")):
-            if env.get(name, "").strip():
-                overrides[field] = env[name].strip()
-        flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
-        if flush is not None:
-            overrides["disk_flush_interval"] = flush
-        if overrides:
-            values["checkpoint"] = dataclasses.replace(policy.checkpoint or InMemoryCkptConfig(), **overrides)
-        detection = env.get("LM_RESILIENCY_DETECTION", "").strip().lower()
-        if detection:
-            if detection not in _ON + _OFF:
-                raise ConfigError(f"LM_RESILIENCY_DETECTION={env['LM_RESILIENCY_DETECTION']!r}: expected 1 "
-                                  "(SCOUT on) or 0 (off)")
-            values["enable_detection"] = detection in _ON
-        resume = env.get("LM_RESILIENCY_DATALOADER_RESUME", "").strip().lower()
-        if resume:
-            if resume not in DATALOADER_RESUME_MODES:
-                raise ConfigError(f"LM_RESILIENCY_DATALOADER_RESUME={resume!r}: expected one of "
-                                  f"{DATALOADER_RESUME_MODES}")
-            values["resume_dataloaders"] = resume
-        return dataclasses.replace(policy, **values)
 
-    @classmethod
-    def from_file(cls, path: str) -> "ResiliencyPolicy":
-        """A policy file: `schema_version = 1` and any of `SETTINGS_KEYS` (see `read_settings`)."""
-        if not os.path.isfile(path):
-            problem = "it is not a regular file" if os.path.exists(path) else "no such file exists"
-            raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
-                              f"and {problem}")
-        where = f"policy file {path}"
-        kind = os.path.splitext(path)[1].lower()
-        if kind not in (".toml", ".json"):
-            raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
-        try:
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
-        except OSError as exc:
-            raise ConfigError(f"{where}: cannot be read: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ConfigError(f"{where}: not UTF-8 text: {exc}") from None
-        try:
-            if kind == ".toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            else:
-                data = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
-        except RecursionError:  # tomllib recurses per nested array/inline table
-            raise ConfigError(f"{where}: nested too deeply to be a policy file") from None
-        except ImportError:
-            raise ConfigError(f"{where}: TOML needs Python 3.11+ (tomllib); write the policy as .json") from None
-        except ValueError as exc:  # TOMLDecodeError, JSONDecodeError, duplicate keys, NaN, nesting
-            raise ConfigError(f"{where}: not valid {kind[1:].upper()}: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected a table/object at the top level")
-        version = data.get("schema_version")
-        if not _is_int(version) or version != POLICY_SCHEMA_VERSION:
-            raise ConfigError(f"{where}: schema_version: expected {POLICY_SCHEMA_VERSION}, got "
-                              f"{'nothing' if version is None else repr(version)}")
-        settings = {k: v for k, v in data.items() if k != "schema_version"}
-        return cls(source=path, **read_settings(settings, where, f"{where}: "))
-
-    def arguments(self) -> Dict[str, Any]:
-        """The `enable_resiliency` keyword arguments this policy sets (unset ones are left out)."""
-        values = {"interval": self.interval, "checkpoint": self.checkpoint, "replay": self.replay,
-                  "recovery_mode": self.recovery_mode}
-        arguments = {k: v for k, v in values.items() if v is not None}
-        for key in ("enable_checkpoint", "enable_detection"):
-            if not getattr(self, key):
-                arguments[key] = False
-        return arguments
+def read_policy_environment(environ: Optional[Mapping[str, str]] = None) -> Optional[PolicyEnvironment]:
+    """The opt-in variables (see `lm_resiliency.settings.ResiliencyPolicy`), or None when
+    LM_RESILIENCY is off (nothing else is read then). Bad values raise ConfigError naming the variable."""
+    env = os.environ if environ is None else environ
+    switch = env.get(ENABLE_ENV, "").strip()
+    if switch.lower() in ("",) + _OFF:
+        return None
+    checkpoint: Dict[str, Any] = {}
+    for name, field in (("LM_RESILIENCY_DIR", "disk_folder"), ("LM_RESILIENCY_SHM_DIR", "shared_memory_dir")):
+        if env.get(name, "").strip():
+            checkpoint[field] = env[name].strip()
+    flush = _env_int(env, "LM_RESILIENCY_DISK_FLUSH_INTERVAL", 0)
+    if flush is not None:
+        checkpoint["disk_flush_interval"] = flush
+    detection = env.get("LM_RESILIENCY_DETECTION", "").strip().lower()
+    if detection and detection not in _ON + _OFF:
+        raise ConfigError(f"LM_RESILIENCY_DETECTION={env['LM_RESILIENCY_DETECTION']!r}: expected 1 "
+                          "(SCOUT on) or 0 (off)")
+    resume = env.get("LM_RESILIENCY_DATALOADER_RESUME", "").strip().lower()
+    if resume and resume not in DATALOADER_RESUME_MODES:
+        raise ConfigError(f"LM_RESILIENCY_DATALOADER_RESUME={resume!r}: expected one of {DATALOADER_RESUME_MODES}")
+    return PolicyEnvironment(policy_file=None if switch.lower() in _ON else switch,
+                             interval=_env_int(env, "LM_RESILIENCY_INTERVAL", 1), checkpoint=checkpoint,
+                             enable_detection=(detection in _ON) if detection else None,
+                             resume_dataloaders=resume or None)
 
 
 # Variables read whether or not LM_RESILIENCY is on: by GEMINI (run identity, keeping shared

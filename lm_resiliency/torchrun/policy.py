@@ -1,5 +1,5 @@
 """The strict worker policy file (`lm_resiliency_worker_config`): `schema_version = 1`, the
-`enable_resiliency` settings of `lm_resiliency.config.read_settings`, and an optional custom
+`enable_resiliency` settings of `lm_resiliency.settings.read_settings`, and an optional custom
 `adapter = "package.module:factory"`. The digest is over the exact bytes, so nodes agree on the
 file itself, not on one parse of it."""
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from lm_resiliency._values import is_int
-from lm_resiliency.config import POLICY_SCHEMA_VERSION, ConfigError, read_settings
+from lm_resiliency.config import ConfigError
+from lm_resiliency.settings import POLICY_SCHEMA_VERSION, read_settings
 
 _MAX_BYTES = 1024 * 1024
 _ADAPTER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -278,7 +278,7 @@ def test_flag_reads_the_shared_policy_and_refuses_bad_values_before_the_script_r
     """The flag and Lightning's entry point read one ResiliencyPolicy (tests/unit/test_config.py);
     here: what the plugin gets from it, and the bootstrap's exit 2 on a bad value."""
     from lm_resiliency.callbacks.accelerate import flag_plugin_arguments, main
-    from lm_resiliency.config import ResiliencyPolicy
+    from lm_resiliency.settings import ResiliencyPolicy
 
     policy = tmp_path / "policy.toml"
     policy.write_text('schema_version = 1\ninterval = 4\n[checkpoint]\nrun_id = "r"\n')

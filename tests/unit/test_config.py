@@ -8,8 +8,8 @@ import math
 import pytest
 
 from lm_resiliency import InMemoryCkptConfig
-from lm_resiliency.config import (ConfigError, ResiliencyPolicy, env_keep_shared_memory, env_resume_step, env_run_id,
-                                  read_settings)
+from lm_resiliency.config import ConfigError, env_keep_shared_memory, env_resume_step, env_run_id
+from lm_resiliency.settings import ResiliencyPolicy, read_settings
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 

@@ -14,7 +14,8 @@ from datetime import timedelta
 import pytest
 
 from lm_resiliency import InMemoryCkptConfig
-from lm_resiliency.config import MAX_SECONDS, ConfigError, ResiliencyPolicy
+from lm_resiliency.config import MAX_SECONDS, ConfigError
+from lm_resiliency.settings import ResiliencyPolicy
 from lm_resiliency.scout.config import ReplayHarnessConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,7 +90,8 @@ def test_policy_file_that_is_not_a_regular_file_is_refused(tmp_path):
 _UNREADABLE = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from lm_resiliency.config import ConfigError, ResiliencyPolicy
+from lm_resiliency.config import ConfigError
+from lm_resiliency.settings import ResiliencyPolicy
 os.setgid(65534)
 os.setuid(65534)
 try:
