@@ -88,10 +88,10 @@ def agent_env(base: str, machine_id: str, extra: Optional[Dict[str, str]] = None
     return env
 
 
-def start_agent(command: List[str], env: Dict[str, str], log: str) -> subprocess.Popen:
+def start_agent(command: List[str], env: Dict[str, str], log: str, cwd: str = ROOT) -> subprocess.Popen:
     """An agent in its own session (so `stop` ends it with its workers), output to `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
@@ -111,9 +111,10 @@ def finish(proc: subprocess.Popen, timeout: float, log: str) -> subprocess.Compl
     return subprocess.CompletedProcess(proc.args, code, _tail(log, 400000), "")
 
 
-def run_agent(command: List[str], env: Dict[str, str], timeout: float, log: str) -> subprocess.CompletedProcess:
+def run_agent(command: List[str], env: Dict[str, str], timeout: float, log: str,
+              cwd: str = ROOT) -> subprocess.CompletedProcess:
     """One agent to completion (killed, with its workers, after `timeout`)."""
-    return finish(start_agent(command, env, log), timeout, log)
+    return finish(start_agent(command, env, log, cwd), timeout, log)
 
 
 def final_state(out_dir: str, restart_count: int) -> dict:
