@@ -186,9 +186,9 @@ class TorchDistTransfer(CheckpointTransfer):
         try:
             layout = check_offer(record, key, from_rank, self.rank, destination.topology, self.max_bytes)
         except TransferRefused as exc:
-            self.metadata.answer(record, "accept", str(exc))
+            self.metadata.answer(key, from_rank, self.rank, record.nonce, "accept", str(exc))
             raise
-        self.metadata.answer(record, "accept", None)
+        self.metadata.answer(key, from_rank, self.rank, record.nonce, "accept", None)
         payload = torch.empty(record.total_bytes, dtype=torch.uint8)
         bounds = chunk_bounds(record.total_bytes, record.chunk_size)
         bad = []
@@ -208,14 +208,15 @@ class TorchDistTransfer(CheckpointTransfer):
         except BaseException as exc:
             self._answer_failure(record, exc)
             raise
-        self.metadata.answer(record, "done", None)
+        self.metadata.answer(key, from_rank, self.rank, record.nonce, "done", None)
         logger.info("checkpoint transfer: rank %d received %s (%d bytes) from rank %d into %s", self.rank,
                     key, record.total_bytes, from_rank, path)
         return TransferReceipt(key, from_rank, self.rank, path, record.total_bytes, len(bounds))
 
     def _answer_failure(self, record: TransferRecord, exc: BaseException) -> None:
         try:
-            self.metadata.answer(record, "done", f"{type(exc).__name__}: {exc}")
+            self.metadata.answer(record.key, record.sender, record.receiver, record.nonce, "done",
+                                 f"{type(exc).__name__}: {exc}")
         except RuntimeError as answer_error:  # the store itself failed: the sender times out instead
             logger.warning("checkpoint transfer: could not tell rank %d why the transfer failed: %s",
                            record.sender, answer_error)

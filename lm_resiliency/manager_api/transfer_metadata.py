@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +31,7 @@ _RECORD_KEYS = frozenset({"version", "run_id", "step", "source_rank", "sender", 
                           "topology", "layout", "structure", "extra", "total_bytes", "chunk_size",
                           "chunk_crc32", "metadata_crc32"})
 _VERDICT_KEYS = frozenset({"ok", "reason"})
+_NONCE = re.compile(r"[0-9a-f]{1,64}")
 
 
 class TransferRefused(RuntimeError):
@@ -117,9 +119,11 @@ class TransferRecord:
         for name in ("step", "source_rank", "sender", "receiver", "total_bytes", "chunk_size", "metadata_crc32"):
             if not is_int(doc[name]) or doc[name] < 0:
                 raise TransferRefused(f"transfer record {name} {doc[name]!r} is not a non-negative int")
-        for name in ("run_id", "nonce", "topology"):
+        for name in ("run_id", "topology"):
             if not isinstance(doc[name], str) or not doc[name]:
                 raise TransferRefused(f"transfer record {name} {doc[name]!r} is not a non-empty string")
+        if not isinstance(doc["nonce"], str) or not _NONCE.fullmatch(doc["nonce"]):
+            raise TransferRefused(f"transfer record nonce {doc['nonce']!r} is not 1 to 64 lowercase hex digits")
         crcs = doc["chunk_crc32"]
         if not isinstance(crcs, list) or not all(is_int(c) and 0 <= c < 2 ** 32 for c in crcs):
             raise TransferRefused("transfer record chunk_crc32 is not a list of 32-bit checksums")
@@ -192,21 +196,33 @@ class TransferMetadataStore:
         TimeoutError when it never appears; TransferRefused when it is not a valid record."""
         name = self.prefix(key, sender, receiver) + "/offer"
         raw = self._wait_get(name, f"rank {sender} to offer {key} to rank {receiver}")
-        record = TransferRecord.from_json(self._decode(raw, f"the offer of {key} from rank {sender}"))
+        doc = self._decode(raw, f"the offer of {key} from rank {sender}")
+        try:
+            record = TransferRecord.from_json(doc)
+        except TransferRefused as exc:
+            nonce = doc.get("nonce") if isinstance(doc, dict) else None
+            if isinstance(nonce, str) and _NONCE.fullmatch(nonce):  # tell the sender, who waits on it
+                self.answer(key, sender, receiver, nonce, "accept", str(exc))
+            raise
         try:
             self.store.delete_key(name)  # consumed: a later receive of this key waits for a new offer
         except RuntimeError:
             pass  # a store without deletion: the nonce still keeps the two transfers apart
         return record
 
-    def answer(self, record: TransferRecord, stage: str, reason: Optional[str]) -> None:
-        """The receiver's answer at `stage` ("accept" or "done"): None = fine, else why not."""
+    def answer(self, key: TransferKey, sender: int, receiver: int, nonce: str, stage: str,
+               reason: Optional[str]) -> None:
+        """The receiver's answer at `stage` ("accept" or "done") to the offer `nonce` it found
+        under (key, sender, receiver): None = fine, else why not."""
+        self._set_answer(f"{self.prefix(key, sender, receiver)}/{nonce}/{stage}", reason)
+
+    def _set_answer(self, name: str, reason: Optional[str]) -> None:
         doc = json.dumps({"ok": reason is None, "reason": reason or ""}, separators=(",", ":"))
-        self.store.set(self._answer_key(record, stage), doc.encode("utf-8"))
+        self.store.set(name, doc.encode("utf-8"))
 
     def wait_answer(self, record: TransferRecord, stage: str) -> Optional[str]:
         """The receiver's answer at `stage`: None when it is fine, else its reason."""
-        raw = self._wait_get(self._answer_key(record, stage),
+        raw = self._wait_get(f"{self.prefix(record.key, record.sender, record.receiver)}/{record.nonce}/{stage}",
                              f"rank {record.receiver} to {'accept' if stage == 'accept' else 'confirm'} "
                              f"the transfer of {record.key}")
         doc = self._decode(raw, f"rank {record.receiver}'s answer")
@@ -217,9 +233,6 @@ class TransferMetadataStore:
 
     def pair_prefix(self, record: TransferRecord) -> str:
         return f"{self.prefix(record.key, record.sender, record.receiver)}/{record.nonce}/pair/"
-
-    def _answer_key(self, record: TransferRecord, stage: str) -> str:
-        return f"{self.prefix(record.key, record.sender, record.receiver)}/{record.nonce}/{stage}"
 
     def _wait_get(self, name: str, what: str) -> bytes:
         try:
