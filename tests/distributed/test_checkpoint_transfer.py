@@ -114,15 +114,21 @@ class _FlipChunk(TorchDistTransfer):
             yield tag, chunk
 
 
+def write_replica(store, owner, step, floats):
+    """Publish in `store` a real replica shard of `owner` at `step`: `floats` float32s 0, 1, ...
+    and five int64s."""
+    tensors = [torch.arange(floats, dtype=torch.float32), torch.arange(5, dtype=torch.int64)]
+    layout = Layout.for_tensors(tensors)
+    payload = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for spec, tensor in zip(layout.specs, tensors):
+        payload[spec.offset:spec.offset + spec.nbytes] = tensor.view(torch.uint8)
+    store.write_shard(ShardKey("peer", owner, step), layout, {"leaves": 2}, payload, extra={"note": "x"})
+
+
 def _shard_store(folder, rank):
     store = NodeLocalStore(os.path.join(folder, f"node-{rank}"), RUN, "topology", rank, verify_integrity=True)
     if rank == 0:
-        tensors = [torch.arange(700, dtype=torch.float32), torch.arange(5, dtype=torch.int64)]
-        layout = Layout.for_tensors(tensors)
-        payload = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-        for spec, tensor in zip(layout.specs, tensors):
-            payload[spec.offset:spec.offset + spec.nbytes] = tensor.view(torch.uint8)
-        store.write_shard(ShardKey("peer", 1, 7), layout, {"leaves": 2}, payload, extra={"note": "x"})
+        write_replica(store, 1, 7, 700)
     return store
 
 

@@ -9,10 +9,8 @@ import types
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from lm_resiliency.codec import Layout
 from lm_resiliency.gemini.storage import NodeLocalStore, ShardKey
 from lm_resiliency.manager_api import (
     CheckpointTransfer,
@@ -24,6 +22,7 @@ from lm_resiliency.manager_api import (
 )
 from lm_resiliency.manager_api.transfer import TorchDistTransfer, build_offer
 from lm_resiliency.manager_api.transfer_metadata import TransferRecord, metadata_crc
+from tests.distributed.test_checkpoint_transfer import write_replica
 
 RUN = "unit-run"
 KEY = TransferKey(RUN, 7, 1)
@@ -32,12 +31,7 @@ KEY = TransferKey(RUN, 7, 1)
 def _stores(tmp_path, topology="topology"):
     """Rank 2's directory holding rank 1's replica at step 7, and rank 1's empty directory."""
     sender = NodeLocalStore(str(tmp_path / "node-2"), RUN, "topology", 2, verify_integrity=True)
-    tensors = [torch.arange(300, dtype=torch.float32), torch.arange(3, dtype=torch.int64)]
-    layout = Layout.for_tensors(tensors)
-    payload = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    for spec, tensor in zip(layout.specs, tensors):
-        payload[spec.offset:spec.offset + spec.nbytes] = tensor.view(torch.uint8)
-    sender.write_shard(ShardKey("peer", 1, 7), layout, {"leaves": 2}, payload, extra={"note": "x"})
+    write_replica(sender, 1, 7, 300)
     receiver = NodeLocalStore(str(tmp_path / "node-1"), RUN, topology, 1, verify_integrity=True)
     return sender, receiver
 
