@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import secrets
 import zlib
 from abc import ABC, abstractmethod
@@ -169,7 +170,7 @@ class TorchDistTransfer(CheckpointTransfer):
             raise TransferRefused(refusal)
         logger.info("checkpoint transfer: rank %d sent %s (%d bytes) to rank %d", self.rank, key,
                     payload.numel(), to_rank)
-        return TransferReceipt(key, self.rank, to_rank, f"{source.directory}/{shard_key.file_name}",
+        return TransferReceipt(key, self.rank, to_rank, os.path.join(source.directory, shard_key.file_name),
                                payload.numel(), len(bounds))
 
     def outgoing_chunks(self, payload: torch.Tensor, bounds: Tuple[Tuple[int, int], ...]
