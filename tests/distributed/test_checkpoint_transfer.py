@@ -158,3 +158,32 @@ def test_corrupted_chunk_is_refused_and_nothing_is_published(tmp_path):
     assert left == []
     assert "nothing is written" in reason and reason in sender
     assert values == [float(i) for i in range(700)] and structure == {"leaves": 2}
+
+
+class _DieMidway(TorchDistTransfer):
+    """A sender whose process dies after its first chunk."""
+
+    def outgoing_chunks(self, payload, bounds):
+        for tag, chunk in super().outgoing_chunks(payload, bounds):
+            if tag == 1:
+                os._exit(3)
+            yield tag, chunk
+
+
+def _sender_dies(rank, world, folder, store_path):
+    store = dist.FileStore(store_path, world)
+    shards = _shard_store(folder, rank)
+    key = TransferKey(RUN, 7, 1)
+    if rank == 0:
+        _DieMidway(store, 0, timeout_s=5, chunk_size=1024).send(key, shards, to_rank=1)
+    transfer = make_transfer("torch_dist", store=store, rank=1, timeout_s=5, chunk_size=1024)
+    with pytest.raises(TimeoutError, match="did not complete within 5.0s"):
+        transfer.receive(key, shards, from_rank=0)
+    return sorted(os.listdir(shards.directory))
+
+
+def test_sender_killed_midway_leaves_nothing_published(tmp_path):
+    sender, receiver = run_ranks(_sender_dies, 2, str(tmp_path), str(tmp_path / "transfer-store"), timeout=120,
+                                 check=False)
+    assert sender.exitcode == 3
+    assert receiver.error is None and receiver.result == []
