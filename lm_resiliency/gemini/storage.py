@@ -324,6 +324,14 @@ class NodeLocalStore:
         return self._rank
 
     @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def topology(self) -> str:
+        return self._topology
+
+    @property
     def verify_integrity(self) -> bool:
         return self._verify
 
