@@ -7,8 +7,11 @@
   the inner handler admits at most `min_nodes`) until an active node leaves;
 * the worker policy digest is agreed run-wide: an agent with different policy bytes fails closed;
 * before each worker generation the agents agree on the checkpoint step it must load (the newest
-  step every node's workers recorded as captured) and write it, with the node's slot and the
-  topology digest, to the owner-only restart context the workers read;
+  step every node's workers recorded as captured; after a fault SCOUT localized, the newest
+  RECOVERY_VERIFIED step) and write it, with the node's slot and the topology digest, to the
+  owner-only restart context the workers read;
+* an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
+  never to rejoin the run; the parked standby takes the free slot;
 * with `lm_resiliency_worker_config`, workers start with the zero-import bootstrap (a
   `sitecustomize` shim on PYTHONPATH, the only way torchrun lets a plugin run code in a worker
   before the user module: the agent passes its environment to every worker it starts).
@@ -28,9 +31,11 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
-from lm_resiliency.torchrun._compat import rendezvous_round
+from lm_resiliency.torchrun._compat import leave_rendezvous, rendezvous_round
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
+from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, read_fault
+from lm_resiliency.torchrun.selection import NodeReport, SelectionRefused, select_step
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +92,19 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._store: Store = PrefixStore(f"lm_resiliency/{params.run_id}/", store)
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
+        self._generation: Optional[int] = None
+        self._retired = False
         self._register()
         self._export_environment()
         logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
                     self.node_id[:12], self.run_id, params.min_nodes, params.max_nodes)
 
     def _register(self) -> None:
+        retired = self._store.check([f"retired/{self.node_id}"])
+        if retired:
+            raise RendezvousRefused(
+                f"node {self.node_id[:12]} was retired from run {self.run_id!r} after SCOUT named it faulty; it may "
+                "not rejoin this run. Repair or replace the machine, then start a new run (--rdzv-id)")
         holder = self._store.compare_set(f"node/{self.node_id}", "", self._token).decode()
         if holder != self._token:
             raise RendezvousRefused(
@@ -125,36 +137,72 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
+        fault = self._own_fault()
+        if fault is not None and self._slot in fault.slots:
+            self._retire(fault)
         info = self._inner.next_rendezvous()
         generation = rendezvous_round(self._inner)
-        self._write_context(generation, info.rank, info.world_size)
+        self._write_context(generation, info.rank, info.world_size, fault)
         return info
 
-    def _write_context(self, generation: int, slot: int, nodes: int) -> None:
-        local = ctx.node_step(self.context_dir, self.run_id)
-        self._store.set(f"gen/{generation}/step/{slot}", json.dumps(-1 if local is None else local))
-        keys = [f"gen/{generation}/step/{rank}" for rank in range(nodes)]
+    def _own_fault(self) -> Optional[NodeFault]:
+        """The fault this node's workers recorded in the generation that just ended, if any."""
+        if self._generation is None:
+            return None
+        try:
+            return read_fault(self.context_dir, self.run_id, self._generation)
+        except ctx.ContextError as exc:
+            raise RendezvousRefused(str(exc)) from None
+
+    def _retire(self, fault: NodeFault) -> None:
+        self._store.set(f"retired/{self.node_id}", json.dumps(fault.to_json()))
+        leave_rendezvous(self._inner, self.join_timeout_s)
+        self._retired = True
+        logger.warning("lm_resiliency rendezvous: node %s (slot %s) RETIRED from run %r: SCOUT found %s at step %d "
+                       "on global ranks %s in generation %d. This agent left the rendezvous and exits; it will not "
+                       "rejoin this run, a standby takes its slot", self.node_id[:12], self._slot, self.run_id,
+                       fault.kind, fault.step, list(fault.ranks), fault.generation)
+        raise NodeRetired()
+
+    def _gather_reports(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> list:
+        """Publish this node's report for `generation` and read every node's, in slot order."""
+        local = ctx.node_steps(self.context_dir, self.run_id)
+        report = {"latest": -1 if local is None else local.latest, "verified": -1 if local is None else local.verified,
+                  "fault": None if fault is None else fault.to_json()}
+        self._store.set(f"gen/{generation}/node/{slot}", json.dumps(report))
+        keys = [f"gen/{generation}/node/{rank}" for rank in range(nodes)]
         try:
             self._store.wait(keys, timedelta(seconds=self.join_timeout_s))
         except Exception as exc:  # noqa: BLE001 - torch raises several store error types
             raise RendezvousRefused(f"generation {generation}: not every node published its checkpoint step "
                                     f"within {self.join_timeout_s:g}s ({exc})") from exc
-        steps = [json.loads(self._store.get(key)) for key in keys]
-        known = [step for step in steps if step >= 0]
-        selected = min(known) if known else 0
-        if not known:
+        reports = []
+        for key in keys:
+            data = json.loads(self._store.get(key))
+            theirs = None if data["fault"] is None else NodeFault.from_json(data["fault"], f"store key {key}")
+            reports.append(NodeReport(data["latest"], data["verified"], theirs))
+        return reports
+
+    def _write_context(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> None:
+        reports = self._gather_reports(generation, slot, nodes, fault)
+        try:
+            selection = select_step(reports)
+        except SelectionRefused as exc:
+            raise RendezvousRefused(f"generation {generation}: {exc}") from None
+        if selection.source == "none":
             decision = "fresh"
-        elif self._slot is None and local is None:
+        elif self._slot is None and reports[slot].latest < 0:
             decision = "replacement"
         else:
             decision = "same-node restart"
-        self._slot = slot
+        self._slot, self._generation = slot, generation
         ctx.write_context(self.context_path, ctx.RestartContext(
             run_id=self.run_id, node_id=self.node_id, generation=generation, slot=slot, nodes=nodes,
             topology_digest=topology_digest(self.run_id, nodes), policy_digest=self.policy_digest,
-            checkpoint_step=selected, checkpoint_source="gemini" if known else "none", decision=decision))
-        logger.warning("lm_resiliency rendezvous: generation %d, node slot %d of %d: %s, checkpoint step %d",
-                       generation, slot, nodes, decision, selected)
+            checkpoint_step=selection.step, checkpoint_source=selection.source, decision=decision,
+            trust=selection.trust, reason=selection.reason))
+        logger.warning("lm_resiliency rendezvous: generation %d, node slot %d of %d: %s, checkpoint step %d (%s)",
+                       generation, slot, nodes, decision, selection.step, selection.reason)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -169,4 +217,6 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        if self._retired:  # closing would end the run for the nodes that go on
+            return True
         return self._inner.shutdown()
