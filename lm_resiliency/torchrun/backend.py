@@ -12,6 +12,8 @@
   owner-only restart context the workers read;
 * an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
   never to rejoin the run; the parked standby takes the free slot;
+* with `lm_resiliency_manager=1`, those decisions come from the successor generations a
+  `TorchrunRecoveryCoordinator` publishes (coordinator.py) instead;
 * with `lm_resiliency_worker_config`, workers start with the zero-import bootstrap (a
   `sitecustomize` shim on PYTHONPATH, the only way torchrun lets a plugin run code in a worker
   before the user module: the agent passes its environment to every worker it starts).
@@ -26,16 +28,19 @@ import uuid
 from datetime import timedelta
 from typing import Optional
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
 from lm_resiliency.torchrun._compat import leave_rendezvous, rendezvous_round
+from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
+                                                check_lease, commit_placement, read_placement, run_store,
+                                                successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
 from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, read_fault
-from lm_resiliency.torchrun.selection import NodeReport, SelectionRefused, select_step
+from lm_resiliency.torchrun.selection import NodeReport, Selection, SelectionRefused, select_step
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,10 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             policy = parse_policy(policy_path, read_policy_bytes(policy_path))  # fails closed before joining
             self.policy_path, self.policy_digest = policy_path, policy.digest
         self.run_id = params.run_id
+        managed = params.get(MANAGER_OPTION, "0")
+        if managed not in ("0", "1"):
+            raise RendezvousRefused(f"--rdzv-conf {MANAGER_OPTION}={managed!r}: expected 0 or 1")
+        self.managed = managed == "1"
         # torch 2.13 keeps one agent-hosted TCPStore for every round while workers assume a fresh
         # store per restart ("no need to add prefix for each attempt"): a restarted gloo generation
         # then reads the dead generation's peer addresses and fails in init_process_group. Each
@@ -89,7 +98,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                                             params.min_nodes, params.local_addr, **params.config)
         backend, store = create_backend(inner_params)
         self._inner = create_handler(store, backend, inner_params)
-        self._store: Store = PrefixStore(f"lm_resiliency/{params.run_id}/", store)
+        self._store: Store = run_store(store, params.run_id)
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
         self._generation: Optional[int] = None
@@ -117,6 +126,11 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             raise RendezvousRefused(
                 f"worker policy digest {digest[:12]} differs from the one run {self.run_id!r} agreed at rendezvous "
                 f"({agreed[:12]}); every node must pass identical {POLICY_OPTION} file contents")
+        mode = "1" if self.managed else "0"
+        agreed = self._store.compare_set("manager_mode", "", mode).decode()
+        if agreed != mode:
+            raise RendezvousRefused(f"--rdzv-conf {MANAGER_OPTION}={mode} differs from run {self.run_id!r} "
+                                    f"({MANAGER_OPTION}={agreed}); every node must pass the same value")
 
     def _export_environment(self) -> None:
         os.environ[CONTEXT_ENV] = self.context_path
@@ -138,12 +152,35 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         fault = self._own_fault()
-        if fault is not None and self._slot in fault.slots:
-            self._retire(fault)
+        successor = None
+        if self.managed and self._generation is not None:
+            successor = self._successor(self._generation + 1)
+            if self._slot in successor.retire_slots:
+                self._retire(f"the recovery manager retired slot {self._slot} in successor generation "
+                             f"{successor.generation} ({successor.reason})")
+        elif fault is not None and self._slot in fault.slots:
+            self._retire(f"SCOUT found {fault.kind} at step {fault.step} on global ranks {list(fault.ranks)} in "
+                         f"generation {fault.generation}")
         info = self._inner.next_rendezvous()
         generation = rendezvous_round(self._inner)
-        self._write_context(generation, info.rank, info.world_size, fault)
+        if self.managed and successor is None and self._after_initial(generation):
+            successor = self._successor(generation)  # a standby admitted to a managed run
+        if successor is not None and successor.generation != generation:
+            raise RendezvousRefused(f"the recovery manager published generation {successor.generation}, but the "
+                                    f"rendezvous formed generation {generation}; not starting it")
+        self._write_context(generation, info.rank, info.world_size, fault, successor)
         return info
+
+    def _after_initial(self, generation: int) -> bool:
+        if not self._store.check(["placement/initial"]):
+            return False
+        return read_placement(self._store.get("placement/initial").decode()).generation < generation
+
+    def _successor(self, generation: int) -> TorchrunSuccessorPlacement:
+        try:
+            return successor_for(self._store, self.run_id, generation, self.join_timeout_s)
+        except TorchrunCoordinatorError as exc:
+            raise RendezvousRefused(str(exc)) from None
 
     def _own_fault(self) -> Optional[NodeFault]:
         """The fault this node's workers recorded in the generation that just ended, if any."""
@@ -154,21 +191,21 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         except ctx.ContextError as exc:
             raise RendezvousRefused(str(exc)) from None
 
-    def _retire(self, fault: NodeFault) -> None:
-        self._store.set(f"retired/{self.node_id}", json.dumps(fault.to_json()))
+    def _retire(self, why: str) -> None:
+        self._store.set(f"retired/{self.node_id}", why)
         leave_rendezvous(self._inner, self.join_timeout_s)
         self._retired = True
-        logger.warning("lm_resiliency rendezvous: node %s (slot %s) RETIRED from run %r: SCOUT found %s at step %d "
-                       "on global ranks %s in generation %d. This agent left the rendezvous and exits; it will not "
-                       "rejoin this run, a standby takes its slot", self.node_id[:12], self._slot, self.run_id,
-                       fault.kind, fault.step, list(fault.ranks), fault.generation)
+        logger.warning("lm_resiliency rendezvous: node %s (slot %s) RETIRED from run %r: %s. This agent left the "
+                       "rendezvous and exits; it will not rejoin this run, a standby takes its slot",
+                       self.node_id[:12], self._slot, self.run_id, why)
         raise NodeRetired()
 
     def _gather_reports(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> list:
-        """Publish this node's report for `generation` and read every node's, in slot order."""
+        """Publish this node's report for `generation` and read every node's, in slot order; commit
+        the round's placement (slots -> node ids)."""
         local = ctx.node_steps(self.context_dir, self.run_id)
         report = {"latest": -1 if local is None else local.latest, "verified": -1 if local is None else local.verified,
-                  "fault": None if fault is None else fault.to_json()}
+                  "fault": None if fault is None else fault.to_json(), "node": self.node_id}
         self._store.set(f"gen/{generation}/node/{slot}", json.dumps(report))
         keys = [f"gen/{generation}/node/{rank}" for rank in range(nodes)]
         try:
@@ -176,19 +213,35 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         except Exception as exc:  # noqa: BLE001 - torch raises several store error types
             raise RendezvousRefused(f"generation {generation}: not every node published its checkpoint step "
                                     f"within {self.join_timeout_s:g}s ({exc})") from exc
-        reports = []
+        reports, node_ids = [], []
         for key in keys:
             data = json.loads(self._store.get(key))
             theirs = None if data["fault"] is None else NodeFault.from_json(data["fault"], f"store key {key}")
             reports.append(NodeReport(data["latest"], data["verified"], theirs))
+            node_ids.append(data["node"])
+        commit_placement(self._store, self.run_id, generation, tuple(node_ids))
         return reports
 
-    def _write_context(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> None:
-        reports = self._gather_reports(generation, slot, nodes, fault)
+    def _select(self, generation: int, nodes: int, reports: list,
+                successor: Optional[TorchrunSuccessorPlacement]) -> Selection:
         try:
-            selection = select_step(reports)
-        except SelectionRefused as exc:
+            if successor is None:
+                return select_step(reports)
+            if successor.nodes != nodes:
+                raise TorchrunCoordinatorError(f"the successor was planned for {successor.nodes} nodes, the "
+                                               f"rendezvous formed {nodes}")
+            remaining = check_lease(self._store, successor)
+        except (SelectionRefused, TorchrunCoordinatorError) as exc:
             raise RendezvousRefused(f"generation {generation}: {exc}") from None
+        logger.info("lm_resiliency rendezvous: successor lease of generation %d valid for %.1fs more",
+                    generation, remaining)
+        return Selection(successor.checkpoint_step, successor.checkpoint_source, successor.trust,
+                         f"selected by the recovery manager: {successor.reason}", successor.retire_slots)
+
+    def _write_context(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault],
+                       successor: Optional[TorchrunSuccessorPlacement]) -> None:
+        reports = self._gather_reports(generation, slot, nodes, fault)
+        selection = self._select(generation, nodes, reports, successor)
         if selection.source == "none":
             decision = "fresh"
         elif self._slot is None and reports[slot].latest < 0:
