@@ -4,7 +4,6 @@ and a latched failure when the store stops answering."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -19,6 +18,14 @@ from lm_resiliency.integrations.torchrun import (TorchrunInitialPlacement, Torch
 from lm_resiliency.torchrun.context import topology_digest
 from lm_resiliency.torchrun.coordinator import (TorchrunCoordinatorError, check_lease, commit_placement, run_store,
                                                 successor_for)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    saved = dict(os.environ)  # a rendezvous handler exports its context to the environment
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _committed(tmp_path, run_id: str, nodes=("n0", "n1")):
@@ -175,38 +182,50 @@ def test_a_tcp_store_outage_latches_too(tmp_path):
 
 
 def test_close_run_wakes_a_parked_standby(tmp_path):
-    from lm_resiliency.torchrun.backend import LMResiliencyRendezvousHandler  # noqa: F401 - registers nothing
     from tests.torchrun.test_backend import _params, _use_machine
     from lm_resiliency.integrations.torchrun import create_rendezvous_handler
     from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-    saved = dict(os.environ)
-    try:
-        run_id = uuid.uuid4().hex
-        _use_machine(tmp_path, "a")
-        active = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, keep_alive_interval="1"))
-        active.next_rendezvous()
-        _use_machine(tmp_path, "b")
-        standby = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b",
-                                                    keep_alive_interval="1"))
-        outcome: dict = {}
+    run_id = uuid.uuid4().hex
+    _use_machine(tmp_path, "a")
+    active = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, keep_alive_interval="1"))
+    active.next_rendezvous()
+    _use_machine(tmp_path, "b")
+    standby = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b",
+                                                keep_alive_interval="1"))
+    outcome: dict = {}
 
-        def park() -> None:
-            try:
-                outcome["info"] = standby.next_rendezvous()
-            except RendezvousGracefulExitError as exc:
-                outcome["exit"] = exc
+    def park() -> None:
+        try:
+            outcome["info"] = standby.next_rendezvous()
+        except RendezvousGracefulExitError as exc:
+            outcome["exit"] = exc
 
-        thread = threading.Thread(target=park, daemon=True)
-        thread.start()
-        time.sleep(3)
-        assert thread.is_alive()
-        with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
-            placement = coordinator.initial_placement()
-            assert placement.nodes == 1 and json.dumps(placement.node_ids)
-            coordinator.close_run()
-        thread.join(60)
-        assert not thread.is_alive() and "exit" in outcome
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    thread = threading.Thread(target=park, daemon=True)
+    thread.start()
+    time.sleep(3)
+    assert thread.is_alive()
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
+        placement = coordinator.initial_placement()
+        assert (placement.generation, placement.nodes, len(placement.node_ids)) == (0, 1, 1)
+        coordinator.close_run()
+    thread.join(60)
+    assert not thread.is_alive() and "exit" in outcome
+
+
+def test_every_agent_of_a_run_must_agree_on_manager_mode(tmp_path, monkeypatch):
+    from lm_resiliency.integrations.torchrun import create_rendezvous_handler
+    from lm_resiliency.torchrun.backend import RendezvousRefused
+    from tests.torchrun.test_backend import _params
+    from tests.torchrun.launcher import machine_id_file
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("LM_RESILIENCY_MACHINE_ID_PATH", machine_id_file(str(tmp_path), "a"))
+    first = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, lm_resiliency_manager="1"))
+    monkeypatch.setenv("LM_RESILIENCY_MACHINE_ID_PATH", machine_id_file(str(tmp_path), "b"))
+    with pytest.raises(RendezvousRefused, match="lm_resiliency_manager=0 differs from run"):
+        create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b"))
+    with pytest.raises(RendezvousRefused, match="lm_resiliency_manager='yes': expected 0 or 1"):
+        create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b",
+                                          lm_resiliency_manager="yes"))
+    first.shutdown()

@@ -13,6 +13,14 @@ from lm_resiliency.torchrun.retirement import FaultWatch, NodeFault, fault_for, 
 from lm_resiliency.torchrun.selection import NodeReport, SelectionRefused, select_step
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    saved = dict(os.environ)  # a rendezvous handler exports its context to the environment
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _dir(tmp_path) -> str:
     directory = str(tmp_path / "ctx")
     ctx.ensure_private_dir(directory)
@@ -112,3 +120,21 @@ def test_the_worker_ends_its_generation_only_once_the_ledger_requires_verified_r
         watch.after_step(session)
     assert session.kept
     assert read_fault(directory, "run", 2) == NodeFault("run", 2, "sdc", (3,), (1,), 8, 6)
+
+
+def test_a_retired_node_may_not_rejoin_the_run(tmp_path, monkeypatch):
+    from torch.distributed import FileStore
+
+    from lm_resiliency.integrations.torchrun import create_rendezvous_handler, derive_torchrun_node_id
+    from lm_resiliency.torchrun.backend import RendezvousRefused
+    from lm_resiliency.torchrun.coordinator import run_store
+    from tests.torchrun.test_backend import _params
+    from tests.torchrun.launcher import machine_id_file
+
+    monkeypatch.setenv("LM_RESILIENCY_MACHINE_ID_PATH", machine_id_file(str(tmp_path), "faulty"))
+    run_id = "retired-run"
+    # What `_retire` leaves in the store before the agent exits.
+    run_store(FileStore(str(tmp_path / "rdzv")), run_id).set(f"retired/{derive_torchrun_node_id()}", "sdc")
+    with pytest.raises(RendezvousRefused, match="was retired from run 'retired-run' after SCOUT named it faulty"):
+        create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2))
+    create_rendezvous_handler(_params(tmp_path, run_id="another-run", max_nodes=2)).shutdown()
