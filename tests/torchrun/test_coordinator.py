@@ -229,3 +229,52 @@ def test_every_agent_of_a_run_must_agree_on_manager_mode(tmp_path, monkeypatch):
         create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b",
                                           lm_resiliency_manager="yes"))
     first.shutdown()
+
+
+def _managed_agent(tmp_path, run_id: str):
+    from lm_resiliency.integrations.torchrun import create_rendezvous_handler
+    from tests.torchrun.test_backend import _params, _use_machine
+
+    _use_machine(tmp_path, "a")
+    handler = create_rendezvous_handler(_params(tmp_path, run_id=run_id, lm_resiliency_manager="1"))
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    return handler
+
+
+def test_a_managed_agent_takes_the_successors_step_and_retires_when_its_slot_is_named(tmp_path):
+    from lm_resiliency.torchrun import context as ctx
+    from lm_resiliency.torchrun.retirement import NodeRetired
+
+    run_id = uuid.uuid4().hex
+    handler = _managed_agent(tmp_path, run_id)
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id, renew_interval_s=0.2) as manager:
+        manager.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=0, checkpoint_source="none",
+                                                          trust="latest", deadline_s=60, reason="restart fresh"))
+        handler.next_rendezvous()
+        written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))
+        assert (written.generation, written.checkpoint_step, written.checkpoint_source, written.trust,
+                written.reason) == (1, 0, "none", "latest", "selected by the recovery manager: restart fresh")
+        manager.publish_successor(TorchrunRecoveryRequest(generation=2, checkpoint_step=0, checkpoint_source="none",
+                                                          deadline_s=60, retire_slots=(0,)))
+        with pytest.raises(NodeRetired) as retired:
+            handler.next_rendezvous()
+        assert retired.value.code == 0
+        assert handler.shutdown() and not handler.is_closed()  # leaving does not close the run
+
+
+def test_a_managed_agent_refuses_a_generation_whose_lease_expired(tmp_path):
+    from lm_resiliency.torchrun.backend import RendezvousRefused
+
+    run_id = uuid.uuid4().hex
+    handler = _managed_agent(tmp_path, run_id)
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id, renew_interval_s=0.2) as manager:
+        manager.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=0, checkpoint_source="none",
+                                                          deadline_s=0.5))
+        time.sleep(1.5)
+        with pytest.raises(RendezvousRefused, match="generation 1: the lease of successor generation 1 is expired"):
+            handler.next_rendezvous()
+    from lm_resiliency.torchrun import context as ctx
+
+    assert ctx.read_context(str(tmp_path / "ctx-a" / "context.json")).generation == 0  # no worker may start
+    handler.shutdown()
