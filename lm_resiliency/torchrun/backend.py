@@ -109,11 +109,11 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                     self.node_id[:12], self.run_id, params.min_nodes, params.max_nodes)
 
     def _register(self) -> None:
-        retired = self._store.check([f"retired/{self.node_id}"])
-        if retired:
+        if self._store.check([f"retired/{self.node_id}"]):
+            why = self._store.get(f"retired/{self.node_id}").decode(errors="replace")
             raise RendezvousRefused(
-                f"node {self.node_id[:12]} was retired from run {self.run_id!r} after SCOUT named it faulty; it may "
-                "not rejoin this run. Repair or replace the machine, then start a new run (--rdzv-id)")
+                f"node {self.node_id[:12]} was retired from run {self.run_id!r} ({why}); it may not rejoin this run. "
+                "Repair or replace the machine, then start a new run (--rdzv-id)")
         holder = self._store.compare_set(f"node/{self.node_id}", "", self._token).decode()
         if holder != self._token:
             raise RendezvousRefused(

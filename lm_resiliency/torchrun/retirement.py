@@ -125,8 +125,8 @@ class FaultWatch:
 
     def on_replay_result(self, result: Any) -> None:
         """The session's `fault_callback`: a replay result that is not healthy (same on every rank)."""
-        if not result.sdc and not result.inconclusive:
-            return  # a confirmed straggler alone keeps the latest capture trustworthy
+        if not result.sdc:
+            return  # stragglers and inconclusive votes alone do not latch verified-only recovery
         self.ranks.extend(rank for check in result.checks if check.verdict == "sdc" for rank in check.faulty)
         self.step = result.step if self.step is None else self.step
 

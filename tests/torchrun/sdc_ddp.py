@@ -1,11 +1,11 @@
-"""examples/torchrun_ddp.py's DDP loop (never imports lm_resiliency) with a hidden SDC: in a
-generation that started fresh, global rank SDC_RANK silently corrupts one of its own weights
-after optimizer step SDC_STEP (a bit flip in memory: training goes on, the all-reduce spreads it).
+"""examples/torchrun_ddp.py (which never imports lm_resiliency) with a hidden SDC: in a generation
+that started fresh, global rank SDC_RANK silently corrupts one of its own weights after optimizer
+step SDC_STEP, like a bit flip in memory. Training goes on, and the all-reduce spreads the damage.
 
     torchrun ... --module tests.torchrun.sdc_ddp OUT_DIR STEPS [SDC_RANK SDC_STEP]
 
-Every rank writes OUT_DIR/start-<pid>.json (the step its generation started
-from); rank 0 writes OUT_DIR/final-<restart count>.json as the example does."""
+Every rank also writes OUT_DIR/start-<pid>.json: the step its generation started from and its
+node slot."""
 
 import json
 import os
@@ -13,42 +13,37 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from examples import torchrun_ddp
+
+
+def _corrupt_after(sdc_rank: int, sdc_step: int) -> None:
+    seen = {"optimizer": None, "steps": 0}
+
+    def after_step(optimizer, args, kwargs) -> None:
+        # The training optimizer steps first; any other one (a replay copy) is not counted.
+        if seen["optimizer"] is None:
+            seen["optimizer"] = optimizer
+        if optimizer is not seen["optimizer"]:
+            return
+        seen["steps"] += 1
+        if dist.get_rank() == sdc_rank and seen["steps"] == sdc_step:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].view(-1)[3] += 0.5
+
+    register_optimizer_step_post_hook(after_step)
 
 
 def main() -> None:
-    out_dir, steps = sys.argv[1], int(sys.argv[2])
-    sdc_rank, sdc_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, -1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    out_dir = sys.argv[1]
     start = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     with open(os.path.join(out_dir, f"start-{os.getpid()}.json"), "w") as f:
         json.dump({"start": start, "group_rank": int(os.environ["GROUP_RANK"])}, f)
-    for step in range(start, steps):
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(5, 8, generator=generator)
-        loss = ddp(x).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if start == 0 and rank == sdc_rank and step + 1 == sdc_step:
-            with torch.no_grad():
-                model[0].weight.view(-1)[3] += 0.5
-    if rank == 0:
-        tensors = {f"param/{name}": p for name, p in model.named_parameters()}
-        for index, state in optimizer.state_dict()["state"].items():
-            tensors.update({f"optim/{index}/{key}": value for key, value in state.items()
-                            if isinstance(value, torch.Tensor)})
-        final = {name: t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes().hex()
-                 for name, t in sorted(tensors.items())}
-        with open(os.path.join(out_dir, f"final-{restart}.json"), "w") as f:
-            json.dump({"start": start, "tensors": final}, f)
-    dist.destroy_process_group()
+    if len(sys.argv) > 4 and start == 0:
+        _corrupt_after(int(sys.argv[3]), int(sys.argv[4]))
+    sys.argv[3:] = []  # the example's own fault knobs stay off
+    torchrun_ddp.main()
 
 
 if __name__ == "__main__":

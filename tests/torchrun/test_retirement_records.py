@@ -8,17 +8,11 @@ import os
 
 import pytest
 
+from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.retirement import FaultWatch, NodeFault, fault_for, read_fault, write_fault
 from lm_resiliency.torchrun.selection import NodeReport, SelectionRefused, select_step
-
-
-@pytest.fixture(autouse=True)
-def _restore_environment():
-    saved = dict(os.environ)  # a rendezvous handler exports its context to the environment
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+from tests.torchrun.test_backend import _restore_environment  # noqa: F401 - the autouse fixture
 
 
 def _dir(tmp_path) -> str:
@@ -96,14 +90,8 @@ class _Session:
         self.kept = True
 
 
-class _Check:
-    def __init__(self, verdict: str, faulty=()) -> None:
-        self.verdict, self.faulty = verdict, tuple(faulty)
-
-
-class _Result:
-    def __init__(self, step: int, *checks, sdc: bool = True) -> None:
-        self.step, self.checks, self.sdc, self.inconclusive = step, checks, sdc, False
+def _check(verdict: str, faulty=()) -> CheckOutcome:
+    return CheckOutcome("output", "0", (0, 1, 2, 3), {}, verdict, faulty)
 
 
 def test_the_worker_ends_its_generation_only_once_the_ledger_requires_verified_recovery(tmp_path):
@@ -112,7 +100,8 @@ def test_the_worker_ends_its_generation_only_once_the_ledger_requires_verified_r
     directory = _dir(tmp_path)
     watch = FaultWatch("run", 2, directory, local_rank=1, local_world_size=2)
     watch.after_step(_Session(_Ledger(True, 6)))  # no SCOUT verdict yet: nothing to do
-    watch.on_replay_result(_Result(8, _Check("clean"), _Check("sdc", [3])))
+    watch.on_replay_result(ReplayResult(8, (_check("clean"),)))  # healthy: nothing to note
+    watch.on_replay_result(ReplayResult(8, (_check("clean"), _check("sdc", (3,)))))
     session = _Session(_Ledger(False, 6))
     watch.after_step(session)  # the verdict's boundary has not latched yet
     session.ledger.requires_verified_recovery = True
@@ -134,7 +123,9 @@ def test_a_retired_node_may_not_rejoin_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("LM_RESILIENCY_MACHINE_ID_PATH", machine_id_file(str(tmp_path), "faulty"))
     run_id = "retired-run"
     # What `_retire` leaves in the store before the agent exits.
-    run_store(FileStore(str(tmp_path / "rdzv")), run_id).set(f"retired/{derive_torchrun_node_id()}", "sdc")
-    with pytest.raises(RendezvousRefused, match="was retired from run 'retired-run' after SCOUT named it faulty"):
+    run_store(FileStore(str(tmp_path / "rdzv")), run_id).set(f"retired/{derive_torchrun_node_id()}",
+                                                            "SCOUT found sdc at step 8 on global ranks [3]")
+    with pytest.raises(RendezvousRefused, match=r"was retired from run 'retired-run' \(SCOUT found sdc at step 8 "
+                                                r"on global ranks \[3\]\); it may not rejoin"):
         create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2))
     create_rendezvous_handler(_params(tmp_path, run_id="another-run", max_nodes=2)).shutdown()
