@@ -149,9 +149,19 @@ def commit_placement(store: Store, run_id: str, generation: int, node_ids: Tuple
     store.compare_set("placement/initial", "", text)
 
 
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise TorchrunCoordinatorError(f"{where}: not valid JSON ({exc})") from None
+
+
 def read_placement(text: str) -> TorchrunInitialPlacement:
-    data = json.loads(text)
-    if not isinstance(data, dict) or data.pop("schema", None) != PLACEMENT_SCHEMA:
+    data = _json(text, "placement record")
+    names = {"run_id", "generation", "nodes", "node_ids", "topology_digest"}
+    if not isinstance(data, dict) or data.pop("schema", None) != PLACEMENT_SCHEMA or set(data) != names \
+            or not isinstance(data["node_ids"], list) or not is_int(data["generation"]) \
+            or data["nodes"] != len(data["node_ids"]):
         raise TorchrunCoordinatorError(f"not a placement record ({PLACEMENT_SCHEMA})")
     return TorchrunInitialPlacement(**dict(data, node_ids=tuple(data["node_ids"])))
 
@@ -312,7 +322,7 @@ def successor_for(store: Store, run_id: str, generation: int, timeout_s: float) 
     except Exception as exc:  # noqa: BLE001 - torch raises several store error types
         raise TorchrunCoordinatorError(f"run {run_id!r} is managed ({MANAGER_OPTION}=1) and no successor for "
                                        f"generation {generation} was published within {timeout_s:g}s") from exc
-    placement = TorchrunSuccessorPlacement.from_json(json.loads(store.get(key)), f"store key {key}")
+    placement = TorchrunSuccessorPlacement.from_json(_json(store.get(key).decode(), key), f"store key {key}")
     if placement.run_id != run_id or placement.generation != generation:
         raise TorchrunCoordinatorError(f"store key {key}: the successor names run {placement.run_id!r} generation "
                                        f"{placement.generation}")
@@ -328,8 +338,11 @@ def check_lease(store: Store, placement: TorchrunSuccessorPlacement) -> float:
     first: Optional[int] = None
     while time.monotonic() < limit:
         if store.check([key]):
-            lease = json.loads(store.get(key))
+            lease = _json(store.get(key).decode(), key)
             seen = time.monotonic()
+            if not isinstance(lease, dict) or set(lease) != {"sequence", "remaining_s"} \
+                    or not is_int(lease["sequence"]) or not isinstance(lease["remaining_s"], (int, float)):
+                raise TorchrunCoordinatorError(f"store key {key}: not a lease (sequence, remaining_s)")
             if first is None:
                 first = lease["sequence"]
             elif lease["sequence"] != first:

@@ -255,3 +255,17 @@ def test_a_managed_agent_refuses_a_generation_whose_lease_expired(tmp_path):
 
     assert ctx.read_context(str(tmp_path / "ctx-a" / "context.json")).generation == 0  # no worker may start
     handler.shutdown()
+
+
+def test_agents_refuse_malformed_coordinator_records(tmp_path):
+    run_id = uuid.uuid4().hex
+    agents = run_store(_committed(tmp_path, run_id), run_id)
+    agents.set("successor/1", "not json")
+    with pytest.raises(TorchrunCoordinatorError, match="successor/1: not valid JSON"):
+        successor_for(agents, run_id, 1, timeout_s=1)
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id, renew_interval_s=0.2) as manager:
+        placement = manager.publish_successor(TorchrunRecoveryRequest(generation=2, checkpoint_step=4, deadline_s=60))
+        manager.close()
+        agents.set("lease/2", '{"sequence": 9}')
+        with pytest.raises(TorchrunCoordinatorError, match="lease/2: not a lease"):
+            check_lease(agents, placement)
