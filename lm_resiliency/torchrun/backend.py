@@ -174,7 +174,10 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
     def _after_initial(self, generation: int) -> bool:
         if not self._store.check(["placement/initial"]):
             return False
-        return read_placement(self._store.get("placement/initial").decode()).generation < generation
+        try:
+            return read_placement(self._store.get("placement/initial").decode()).generation < generation
+        except TorchrunCoordinatorError as exc:
+            raise RendezvousRefused(f"store key placement/initial: {exc}") from None
 
     def _successor(self, generation: int) -> TorchrunSuccessorPlacement:
         try:

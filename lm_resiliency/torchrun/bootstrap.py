@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import POLICY_DIGEST_ENV, POLICY_ENV
 from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
-from lm_resiliency.torchrun.retirement import FaultWatch
+from lm_resiliency.torchrun.retirement import FaultWatch, require_verified_step
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
 
@@ -225,6 +225,7 @@ class WorkerBootstrap:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._record())
 
     def _recover(self, session: Any, selected: Optional[int]) -> None:
+        require_verified_step(session, self.context)
         step = session.recover(step=selected)
         if selected is None and step is not None:
             raise TorchrunWorkerAdapterError(

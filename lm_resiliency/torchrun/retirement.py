@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 from lm_resiliency._values import is_int
 from lm_resiliency.files import atomic_write
-from lm_resiliency.torchrun.context import ContextError, encode_json, read_json
+from lm_resiliency.torchrun.context import TRUST_VERIFIED, ContextError, RestartContext, encode_json, read_json
 
 FAULT_SCHEMA = "lm-resiliency-torchrun-fault/1"
 FAULT_KINDS = ("sdc", "hang")
@@ -145,3 +145,18 @@ class FaultWatch:
             f"{list(fault.ranks) or 'not localized to a rank'} (node slots {list(fault.slots)}); ending generation "
             f"{self.generation} so the agents retire the named node(s) and restart from the newest "
             f"RECOVERY_VERIFIED step ({'none' if verified is None else verified})")
+
+
+def require_verified_step(session: Any, context: RestartContext) -> None:
+    """Before a generation that must resume from RECOVERY_VERIFIED state loads anything: its step
+    must be one the trust ledger certified (the ledger agrees job-wide, so every rank decides alike)."""
+    if context.trust != TRUST_VERIFIED:
+        return
+    from lm_resiliency.gemini.manager import RecoveryUnavailable
+
+    verified = session.ledger.verified_steps() if session.ledger is not None else []
+    if context.checkpoint_step not in verified:
+        raise RecoveryUnavailable(
+            f"lm-resiliency torchrun worker: generation {context.generation} must resume from RECOVERY_VERIFIED "
+            f"step {context.checkpoint_step} ({context.reason}), but this run's trust ledger certifies "
+            f"{verified or 'no step'}{'' if session.ledger is not None else ' (SCOUT is off)'}; loading nothing")

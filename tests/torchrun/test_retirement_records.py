@@ -80,6 +80,9 @@ class _Ledger:
         self.requires_verified_recovery = latched
         self.recovery_verified_step = verified
 
+    def verified_steps(self) -> list:
+        return [] if self.recovery_verified_step is None else [self.recovery_verified_step, 2]
+
 
 class _Session:
     def __init__(self, ledger) -> None:
@@ -109,6 +112,23 @@ def test_the_worker_ends_its_generation_only_once_the_ledger_requires_verified_r
         watch.after_step(session)
     assert session.kept
     assert read_fault(directory, "run", 2) == NodeFault("run", 2, "sdc", (3,), (1,), 8, 6)
+
+
+def test_a_verified_generation_loads_nothing_unless_the_ledger_certified_its_step():
+    from lm_resiliency.gemini.manager import RecoveryUnavailable
+    from lm_resiliency.torchrun.retirement import require_verified_step
+
+    def context(step: int, trust: str = "recovery_verified") -> ctx.RestartContext:
+        return ctx.RestartContext("run", "n" * 32, 1, 0, 2, ctx.topology_digest("run", 2), None, step, "gemini",
+                                  "same-node restart", trust=trust, reason="SDC on rank 3")
+    require_verified_step(_Session(_Ledger(True, 6)), context(6))
+    require_verified_step(_Session(_Ledger(True, 6)), context(2))  # older verified steps are fine too
+    require_verified_step(_Session(None), context(8, trust="latest"))
+    with pytest.raises(RecoveryUnavailable, match=r"RECOVERY_VERIFIED step 8 \(SDC on rank 3\), but this run's "
+                                                  r"trust ledger certifies \[6, 2\]; loading nothing"):
+        require_verified_step(_Session(_Ledger(True, 6)), context(8))
+    with pytest.raises(RecoveryUnavailable, match=r"certifies no step \(SCOUT is off\)"):
+        require_verified_step(_Session(None), context(6))
 
 
 def test_a_retired_node_may_not_rejoin_the_run(tmp_path, monkeypatch):
