@@ -5,13 +5,14 @@ lm_resiliency) load exactly the step the manager selected, not the agents' own c
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
 
 from lm_resiliency.integrations.torchrun import TorchrunRecoveryCoordinator, TorchrunRecoveryRequest
 from tests.torchrun import launcher as L
-from tests.torchrun.test_torchrun_recovery import _agent, _run
+from tests.torchrun.test_torchrun_recovery import MODULE, _agent, _final, _run
 
 
 @pytest.mark.slow
@@ -48,3 +49,58 @@ def test_the_workers_load_the_older_step_a_manager_published(tmp_path):
     assert (resumed["start"], baseline["start"]) == (4, 0)
     different = [name for name in baseline["tensors"] if resumed["tensors"][name] != baseline["tensors"][name]]
     assert not different, f"not bitwise equal after the manager's restart: {different}"
+
+
+@pytest.mark.slow
+def test_a_manager_retires_a_slot_and_the_standby_loads_the_published_step(tmp_path):
+    """3 managed agents, --nnodes=2:3, 2 workers each; global rank 3 (slot 1) SIGKILLs itself
+    after step 7. The manager's successor retires slot 1 at step 6: that agent leaves (exit 0),
+    the parked standby is admitted with the manager's step, and the run ends bitwise equal."""
+    from tests.torchrun.test_retirement import _context, _run_agents
+
+    base = str(tmp_path)
+    policy = L.write_policy(base, L.POLICY.format(disk=os.path.join(base, "disk")).replace(
+        "[checkpoint]", "[checkpoint]\nreplication_jump = 2"), "jump.toml")
+    managed_out, clean_out = os.path.join(base, "managed"), os.path.join(base, "clean")
+    os.makedirs(managed_out)
+    os.makedirs(clean_out)
+    run_id = f"managed-{uuid.uuid4().hex[:8]}"
+    endpoint = os.path.join(base, f"rdzv-{run_id}")
+
+    def manage() -> None:
+        with TorchrunRecoveryCoordinator.from_endpoint(endpoint, run_id) as manager:
+            assert manager.initial_placement(timeout_s=60).nodes == 2
+            manager.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=6, trust="latest",
+                                                              retire_slots=(1,), deadline_s=400,
+                                                              reason="slot 1 lost a worker"))
+            deadline = time.monotonic() + 500
+            while not any(name.startswith("final-") for name in os.listdir(managed_out)):
+                assert time.monotonic() < deadline, "the managed successor did not finish"
+                manager.check_health()
+                time.sleep(1)
+
+    codes = _run_agents(base, run_id, "abc", "2:3", policy, [managed_out, "12", "3", "7"], 600, stagger=True,
+                        module=MODULE, conf={"lm_resiliency_manager": "1"}, while_running=manage)
+    logs = {name: L.read_log(os.path.join(base, f"agent-{name}.log")) for name in "abc"}
+    assert codes == {"a": 0, "b": 0, "c": 0}, (codes, {n: log[-5000:] for n, log in logs.items()})
+    retired = [name for name in "ab" if "RETIRED from run" in logs[name]]
+    assert len(retired) == 1 and "the recovery manager retired slot 1 in successor generation 1" in \
+        logs[retired[0]], logs
+    standby = _context(base, "c")
+    assert (standby["generation"], standby["slot"], standby["decision"], standby["checkpoint_step"]) == (
+        1, 1, "replacement", 6)
+    assert standby["reason"] == "selected by the recovery manager: slot 1 lost a worker"
+    clean = {}
+    try:
+        for name in ("x", "y"):
+            command, env = _agent(base, f"clean-{run_id}", name=name, nnodes="2:2", nproc=2, policy=policy,
+                                  args=[clean_out, "12"], rdzv_conf={"join_timeout": "300"})
+            clean[name] = L.start_agent(command, env, os.path.join(base, f"agent-{name}.log"))
+        assert [proc.wait(400) for proc in clean.values()] == [0, 0]
+    finally:
+        for proc in clean.values():
+            L.stop(proc)
+    resumed, baseline = _final(managed_out), _final(clean_out)
+    assert (resumed["start"], baseline["start"]) == (6, 0)
+    different = [name for name in baseline["tensors"] if resumed["tensors"][name] != baseline["tensors"][name]]
+    assert not different, f"not bitwise equal after the managed replacement: {different}"

@@ -39,18 +39,22 @@ def _starts(out_dir: str) -> list:
 
 
 def _run_agents(base: str, run_id: str, names: str, nnodes: str, policy: str, args: list, timeout: float,
-                stagger: bool) -> dict:
+                stagger: bool, module: str = MODULE, conf=None, while_running=None) -> dict:
+    """Start the agents (with `stagger`, the third only after the first two formed generation 0),
+    call `while_running()` if given, and wait for every agent's exit code."""
     agents = {}
     try:
         for name in names:
             command, env = _agent(base, run_id, name=name, nnodes=nnodes, nproc=2, max_restarts=2, policy=policy,
-                                  module=MODULE, args=args, rdzv_conf=CONF)
+                                  module=module, args=args, rdzv_conf=dict(CONF, **(conf or {})))
             agents[name] = L.start_agent(command, env, os.path.join(base, f"agent-{name}.log"))
             if stagger and name == names[1]:  # the first min_nodes registrations; the next one parks
                 deadline = time.monotonic() + 240
                 while not all(os.path.exists(os.path.join(base, f"ctx-{n}", "context.json")) for n in names[:2]):
                     assert time.monotonic() < deadline, "the first two agents did not form generation 0"
                     time.sleep(0.5)
+        if while_running is not None:
+            while_running()
         return {name: proc.wait(timeout) for name, proc in agents.items()}
     finally:
         for proc in agents.values():
