@@ -90,16 +90,9 @@ def test_a_manager_retires_a_slot_and_the_standby_loads_the_published_step(tmp_p
     assert (standby["generation"], standby["slot"], standby["decision"], standby["checkpoint_step"]) == (
         1, 1, "replacement", 6)
     assert standby["reason"] == "selected by the recovery manager: slot 1 lost a worker"
-    clean = {}
-    try:
-        for name in ("x", "y"):
-            command, env = _agent(base, f"clean-{run_id}", name=name, nnodes="2:2", nproc=2, policy=policy,
-                                  args=[clean_out, "12"], rdzv_conf={"join_timeout": "300"})
-            clean[name] = L.start_agent(command, env, os.path.join(base, f"agent-{name}.log"))
-        assert [proc.wait(400) for proc in clean.values()] == [0, 0]
-    finally:
-        for proc in clean.values():
-            L.stop(proc)
+    clean = _run_agents(base, f"clean-{run_id}", "xy", "2:2", policy, [clean_out, "12"], 400, stagger=False,
+                        module=MODULE)
+    assert clean == {"x": 0, "y": 0}
     resumed, baseline = _final(managed_out), _final(clean_out)
     assert (resumed["start"], baseline["start"]) == (6, 0)
     different = [name for name in baseline["tensors"] if resumed["tensors"][name] != baseline["tensors"][name]]
