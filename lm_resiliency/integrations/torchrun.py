@@ -1,7 +1,9 @@
 """Stable torchrun entry points: the `lm_resiliency` rendezvous backend (registered through the
 `torchrun.handlers` entry point), node identity, and what a torchrun worker knows about its
-generation. See docs/torchrun.md."""
+generation, and the recovery coordinator external managers use. See docs/torchrun.md."""
 
+from lm_resiliency.torchrun.coordinator import (TorchrunInitialPlacement, TorchrunRecoveryCoordinator,
+                                                TorchrunRecoveryRequest, TorchrunSuccessorPlacement)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.launch import TorchrunLaunchConfig
 from lm_resiliency.torchrun.plugin import create_rendezvous_handler, get_rendezvous_handler_creator
@@ -10,4 +12,5 @@ from lm_resiliency.torchrun.worker import (TorchrunWorkerAdapter, TorchrunWorker
 
 __all__ = ["create_rendezvous_handler", "get_rendezvous_handler_creator", "derive_torchrun_node_id",
            "TorchrunWorkerAdapter", "TorchrunWorkerAdapterError", "TorchrunWorkerContext",
-           "get_torchrun_worker_context", "TorchrunLaunchConfig"]
+           "get_torchrun_worker_context", "TorchrunLaunchConfig", "TorchrunRecoveryCoordinator",
+           "TorchrunRecoveryRequest", "TorchrunInitialPlacement", "TorchrunSuccessorPlacement"]

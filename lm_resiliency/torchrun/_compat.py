@@ -1,7 +1,8 @@
-"""The one private torch.distributed.elastic detail the backend reads (torch 2.13)."""
+"""The private torch.distributed.elastic details the backend uses (torch 2.13)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -14,3 +15,17 @@ def rendezvous_round(handler: Any) -> int:
         raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler has no "
                            "_state_holder.state.round (written for torch 2.13); the backend cannot key its "
                            "per-generation agreement") from exc
+
+
+def leave_rendezvous(handler: Any, timeout_s: float) -> None:
+    """Remove this node from the participants of `handler`'s rendezvous (a DynamicRendezvousHandler)
+    without closing the run: what torch does at the start of each join, as a step of its own."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + timeout_s)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler has no "
+                           "_stop_heartbeats/_op_executor or _RendezvousExitOp (written for torch 2.13); a retired "
+                           "node cannot leave the run without closing it") from exc

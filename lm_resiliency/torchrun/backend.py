@@ -7,8 +7,13 @@
   the inner handler admits at most `min_nodes`) until an active node leaves;
 * the worker policy digest is agreed run-wide: an agent with different policy bytes fails closed;
 * before each worker generation the agents agree on the checkpoint step it must load (the newest
-  step every node's workers recorded as captured) and write it, with the node's slot and the
-  topology digest, to the owner-only restart context the workers read;
+  step every node's workers recorded as captured; after a fault SCOUT localized, the newest
+  RECOVERY_VERIFIED step) and write it, with the node's slot and the topology digest, to the
+  owner-only restart context the workers read;
+* an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
+  never to rejoin the run; the parked standby takes the free slot;
+* with `lm_resiliency_manager=1`, those decisions come from the successor generations a
+  `TorchrunRecoveryCoordinator` publishes (coordinator.py) instead;
 * with `lm_resiliency_worker_config`, workers start with the zero-import bootstrap (a
   `sitecustomize` shim on PYTHONPATH, the only way torchrun lets a plugin run code in a worker
   before the user module: the agent passes its environment to every worker it starts).
@@ -23,14 +28,19 @@ import uuid
 from datetime import timedelta
 from typing import Optional
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
-from lm_resiliency.torchrun._compat import rendezvous_round
+from lm_resiliency.torchrun._compat import leave_rendezvous, rendezvous_round
+from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
+                                                check_lease, commit_placement, read_placement, run_store,
+                                                successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
+from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, read_fault
+from lm_resiliency.torchrun.selection import NodeReport, Selection, SelectionRefused, select_step
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,10 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             policy = parse_policy(policy_path, read_policy_bytes(policy_path))  # fails closed before joining
             self.policy_path, self.policy_digest = policy_path, policy.digest
         self.run_id = params.run_id
+        managed = params.get(MANAGER_OPTION, "0")
+        if managed not in ("0", "1"):
+            raise RendezvousRefused(f"--rdzv-conf {MANAGER_OPTION}={managed!r}: expected 0 or 1")
+        self.managed = managed == "1"
         # torch 2.13 keeps one agent-hosted TCPStore for every round while workers assume a fresh
         # store per restart ("no need to add prefix for each attempt"): a restarted gloo generation
         # then reads the dead generation's peer addresses and fails in init_process_group. Each
@@ -84,15 +98,22 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                                             params.min_nodes, params.local_addr, **params.config)
         backend, store = create_backend(inner_params)
         self._inner = create_handler(store, backend, inner_params)
-        self._store: Store = PrefixStore(f"lm_resiliency/{params.run_id}/", store)
+        self._store: Store = run_store(store, params.run_id)
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
+        self._generation: Optional[int] = None
+        self._retired = False
         self._register()
         self._export_environment()
         logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
                     self.node_id[:12], self.run_id, params.min_nodes, params.max_nodes)
 
     def _register(self) -> None:
+        if self._store.check([f"retired/{self.node_id}"]):
+            why = self._store.get(f"retired/{self.node_id}").decode(errors="replace")
+            raise RendezvousRefused(
+                f"node {self.node_id[:12]} was retired from run {self.run_id!r} ({why}); it may not rejoin this run. "
+                "Repair or replace the machine, then start a new run (--rdzv-id)")
         holder = self._store.compare_set(f"node/{self.node_id}", "", self._token).decode()
         if holder != self._token:
             raise RendezvousRefused(
@@ -105,6 +126,11 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             raise RendezvousRefused(
                 f"worker policy digest {digest[:12]} differs from the one run {self.run_id!r} agreed at rendezvous "
                 f"({agreed[:12]}); every node must pass identical {POLICY_OPTION} file contents")
+        mode = "1" if self.managed else "0"
+        agreed = self._store.compare_set("manager_mode", "", mode).decode()
+        if agreed != mode:
+            raise RendezvousRefused(f"--rdzv-conf {MANAGER_OPTION}={mode} differs from run {self.run_id!r} "
+                                    f"({MANAGER_OPTION}={agreed}); every node must pass the same value")
 
     def _export_environment(self) -> None:
         os.environ[CONTEXT_ENV] = self.context_path
@@ -125,36 +151,114 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
+        fault = self._own_fault()
+        successor = None
+        if self.managed and self._generation is not None:
+            successor = self._successor(self._generation + 1)
+            if self._slot in successor.retire_slots:
+                self._retire(f"the recovery manager retired slot {self._slot} in successor generation "
+                             f"{successor.generation} ({successor.reason})")
+        elif fault is not None and self._slot in fault.slots:
+            self._retire(f"SCOUT found {fault.kind} at step {fault.step} on global ranks {list(fault.ranks)} in "
+                         f"generation {fault.generation}")
         info = self._inner.next_rendezvous()
         generation = rendezvous_round(self._inner)
-        self._write_context(generation, info.rank, info.world_size)
+        if self.managed and successor is None and self._after_initial(generation):
+            successor = self._successor(generation)  # a standby admitted to a managed run
+        if successor is not None and successor.generation != generation:
+            raise RendezvousRefused(f"the recovery manager published generation {successor.generation}, but the "
+                                    f"rendezvous formed generation {generation}; not starting it")
+        self._write_context(generation, info.rank, info.world_size, fault, successor)
         return info
 
-    def _write_context(self, generation: int, slot: int, nodes: int) -> None:
-        local = ctx.node_step(self.context_dir, self.run_id)
-        self._store.set(f"gen/{generation}/step/{slot}", json.dumps(-1 if local is None else local))
-        keys = [f"gen/{generation}/step/{rank}" for rank in range(nodes)]
+    def _after_initial(self, generation: int) -> bool:
+        if not self._store.check(["placement/initial"]):
+            return False
+        try:
+            return read_placement(self._store.get("placement/initial").decode()).generation < generation
+        except TorchrunCoordinatorError as exc:
+            raise RendezvousRefused(f"store key placement/initial: {exc}") from None
+
+    def _successor(self, generation: int) -> TorchrunSuccessorPlacement:
+        try:
+            return successor_for(self._store, self.run_id, generation, self.join_timeout_s)
+        except TorchrunCoordinatorError as exc:
+            raise RendezvousRefused(str(exc)) from None
+
+    def _own_fault(self) -> Optional[NodeFault]:
+        """The fault this node's workers recorded in the generation that just ended, if any."""
+        if self._generation is None:
+            return None
+        try:
+            return read_fault(self.context_dir, self.run_id, self._generation)
+        except ctx.ContextError as exc:
+            raise RendezvousRefused(str(exc)) from None
+
+    def _retire(self, why: str) -> None:
+        self._store.set(f"retired/{self.node_id}", why)
+        leave_rendezvous(self._inner, self.join_timeout_s)
+        self._retired = True
+        logger.warning("lm_resiliency rendezvous: node %s (slot %s) RETIRED from run %r: %s. This agent left the "
+                       "rendezvous and exits; it will not rejoin this run, a standby takes its slot",
+                       self.node_id[:12], self._slot, self.run_id, why)
+        raise NodeRetired()
+
+    def _gather_reports(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> list:
+        """Publish this node's report for `generation` and read every node's, in slot order; commit
+        the round's placement (slots -> node ids)."""
+        local = ctx.node_steps(self.context_dir, self.run_id)
+        report = {"latest": -1 if local is None else local.latest, "verified": -1 if local is None else local.verified,
+                  "fault": None if fault is None else fault.to_json(), "node": self.node_id}
+        self._store.set(f"gen/{generation}/node/{slot}", json.dumps(report))
+        keys = [f"gen/{generation}/node/{rank}" for rank in range(nodes)]
         try:
             self._store.wait(keys, timedelta(seconds=self.join_timeout_s))
         except Exception as exc:  # noqa: BLE001 - torch raises several store error types
             raise RendezvousRefused(f"generation {generation}: not every node published its checkpoint step "
                                     f"within {self.join_timeout_s:g}s ({exc})") from exc
-        steps = [json.loads(self._store.get(key)) for key in keys]
-        known = [step for step in steps if step >= 0]
-        selected = min(known) if known else 0
-        if not known:
+        reports, node_ids = [], []
+        for key in keys:
+            data = json.loads(self._store.get(key))
+            theirs = None if data["fault"] is None else NodeFault.from_json(data["fault"], f"store key {key}")
+            reports.append(NodeReport(data["latest"], data["verified"], theirs))
+            node_ids.append(data["node"])
+        commit_placement(self._store, self.run_id, generation, tuple(node_ids))
+        return reports
+
+    def _select(self, generation: int, nodes: int, reports: list,
+                successor: Optional[TorchrunSuccessorPlacement]) -> Selection:
+        try:
+            if successor is None:
+                return select_step(reports)
+            if successor.nodes != nodes:
+                raise TorchrunCoordinatorError(f"the successor was planned for {successor.nodes} nodes, the "
+                                               f"rendezvous formed {nodes}")
+            remaining = check_lease(self._store, successor)
+        except (SelectionRefused, TorchrunCoordinatorError) as exc:
+            raise RendezvousRefused(f"generation {generation}: {exc}") from None
+        logger.info("lm_resiliency rendezvous: successor lease of generation %d valid for %.1fs more",
+                    generation, remaining)
+        return Selection(successor.checkpoint_step, successor.checkpoint_source, successor.trust,
+                         f"selected by the recovery manager: {successor.reason}", successor.retire_slots)
+
+    def _write_context(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault],
+                       successor: Optional[TorchrunSuccessorPlacement]) -> None:
+        reports = self._gather_reports(generation, slot, nodes, fault)
+        selection = self._select(generation, nodes, reports, successor)
+        if selection.source == "none":
             decision = "fresh"
-        elif self._slot is None and local is None:
+        elif self._slot is None and reports[slot].latest < 0:
             decision = "replacement"
         else:
             decision = "same-node restart"
-        self._slot = slot
+        self._slot, self._generation = slot, generation
         ctx.write_context(self.context_path, ctx.RestartContext(
             run_id=self.run_id, node_id=self.node_id, generation=generation, slot=slot, nodes=nodes,
             topology_digest=topology_digest(self.run_id, nodes), policy_digest=self.policy_digest,
-            checkpoint_step=selected, checkpoint_source="gemini" if known else "none", decision=decision))
-        logger.warning("lm_resiliency rendezvous: generation %d, node slot %d of %d: %s, checkpoint step %d",
-                       generation, slot, nodes, decision, selected)
+            checkpoint_step=selection.step, checkpoint_source=selection.source, decision=decision,
+            trust=selection.trust, reason=selection.reason))
+        logger.warning("lm_resiliency rendezvous: generation %d, node slot %d of %d: %s, checkpoint step %d (%s)",
+                       generation, slot, nodes, decision, selection.step, selection.reason)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -169,4 +273,6 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        if self._retired:  # closing would end the run for the nodes that go on
+            return True
         return self._inner.shutdown()

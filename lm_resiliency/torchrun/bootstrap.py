@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import POLICY_DIGEST_ENV, POLICY_ENV
 from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
+from lm_resiliency.torchrun.retirement import FaultWatch, require_verified_step
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
 
@@ -95,8 +96,10 @@ class WorkerBootstrap:
         self.session: Any = None
         self._hooks: List[Any] = []
         self._attached = False
-        self._recorded = -1
+        self._recorded = (-1, -1)
         self._custom: Any = None
+        self._faults = FaultWatch(context.run_id, context.generation, os.path.dirname(context.context_path),
+                                  context.local_rank, context.local_world_size)
 
     # ----------------------------------------------------------------- imports
 
@@ -213,7 +216,8 @@ class WorkerBootstrap:
         from lm_resiliency.adapters.pytorch import PyTorchAdapter
         from lm_resiliency.attach import AttachOptions, attach
 
-        options = AttachOptions(caller=f"worker policy {self.policy.path}", **self.policy.arguments)
+        options = AttachOptions(caller=f"worker policy {self.policy.path}",
+                                fault_callback=self._faults.on_replay_result, **self.policy.arguments)
         adapter = PyTorchAdapter(ddp, optimizer, skip_replication_if_hsdp=options.config.skip_replication_if_hsdp)
         context = self.context
         selected = context.checkpoint_step if context.checkpoint_source == "gemini" else None
@@ -221,6 +225,7 @@ class WorkerBootstrap:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._record())
 
     def _recover(self, session: Any, selected: Optional[int]) -> None:
+        require_verified_step(session, self.context)
         step = session.recover(step=selected)
         if selected is None and step is not None:
             raise TorchrunWorkerAdapterError(
@@ -229,11 +234,19 @@ class WorkerBootstrap:
                 "the agents do not know about. Use a new --rdzv-id, or remove that run's GEMINI state")
 
     def _record(self) -> None:
-        step = self.session.latest_gemini_step if self.session is not None else -1
-        if step > self._recorded:
-            self._recorded = step
+        """After each optimizer step: the newest captured and RECOVERY_VERIFIED steps for the agent,
+        then end the generation if SCOUT's verdict requires verified recovery."""
+        session = self.session
+        if session is None:
+            return
+        ledger = session.ledger
+        verified = ledger.recovery_verified_step if ledger is not None else None
+        steps = (session.latest_gemini_step, -1 if verified is None else verified)
+        if steps[0] >= 0 and steps != self._recorded:
+            self._recorded = steps
             ctx.write_worker_record(os.path.dirname(self.context.context_path), self.context.local_rank,
-                                    self.context.run_id, step, self.context.local_world_size)
+                                    self.context.run_id, steps[0], self.context.local_world_size, steps[1])
+        self._faults.after_step(session)
 
     def close(self) -> None:
         session, self.session = self.session, None

@@ -21,8 +21,11 @@ from lm_resiliency.files import atomic_write, loads_strict_json
 CONTEXT_ENV = "LM_RESILIENCY_TORCHRUN_CONTEXT"
 POLICY_ENV = "LM_RESILIENCY_TORCHRUN_POLICY"
 POLICY_DIGEST_ENV = "LM_RESILIENCY_TORCHRUN_POLICY_DIGEST"
-CONTEXT_SCHEMA = "lm-resiliency-torchrun-context/1"
-RECORD_SCHEMA = "lm-resiliency-torchrun-worker/1"
+CONTEXT_SCHEMA = "lm-resiliency-torchrun-context/2"
+RECORD_SCHEMA = "lm-resiliency-torchrun-worker/2"
+# What a generation's checkpoint step was selected from (GEMINI guide, recovery trust).
+TRUST_LATEST = "latest"
+TRUST_VERIFIED = "recovery_verified"
 _MAX_BYTES = 64 * 1024
 
 
@@ -71,7 +74,11 @@ class RestartContext:
     policy_digest: Optional[str]
     checkpoint_step: int
     checkpoint_source: str  # "none" (start fresh) or "gemini"
-    decision: str  # why this step: "fresh", "same-node restart", "replacement"
+    decision: str  # this node's part: "fresh", "same-node restart", "replacement"
+    # "latest" capture, or "recovery_verified" (after SDC or a hang SCOUT localized); and why this
+    # step, in words (which fault, which slot retired, who selected it).
+    trust: str = dataclasses.field(default=TRUST_LATEST, kw_only=True)
+    reason: str = dataclasses.field(default="", kw_only=True)
 
     def to_json(self) -> Dict[str, Any]:
         return dict(dataclasses.asdict(self), schema=CONTEXT_SCHEMA)
@@ -89,12 +96,16 @@ class RestartContext:
         for name in ("run_id", "node_id", "topology_digest", "checkpoint_source", "decision"):
             if not isinstance(data[name], str) or not data[name]:
                 raise ContextError(f"{where}: {name} must be a non-empty string")
+        if not isinstance(data["reason"], str):
+            raise ContextError(f"{where}: reason must be a string")
         if data["checkpoint_source"] not in ("none", "gemini"):
             raise ContextError(f"{where}: checkpoint_source must be 'none' or 'gemini'")
+        if data["trust"] not in (TRUST_LATEST, TRUST_VERIFIED):
+            raise ContextError(f"{where}: trust must be {TRUST_LATEST!r} or {TRUST_VERIFIED!r}")
         return cls(**{name: data[name] for name in names})
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
                  | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
@@ -110,17 +121,17 @@ def _read_json(path: str) -> Any:
 
 
 def write_context(path: str, context: RestartContext) -> None:
-    atomic_write(path, _encode(context.to_json()))
+    atomic_write(path, encode_json(context.to_json()))
 
 
 def read_context(path: str) -> RestartContext:
     try:
-        return RestartContext.from_json(_read_json(path), path)
+        return RestartContext.from_json(read_json(path), path)
     except OSError as exc:
         raise ContextError(f"cannot read the restart context {path}: {exc.strerror or exc}") from None
 
 
-def _encode(value: Any) -> bytes:
+def encode_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True).encode("utf-8")
 
 
@@ -128,34 +139,49 @@ def record_path(directory: str, local_rank: int) -> str:
     return os.path.join(directory, f"worker-{local_rank}.json")
 
 
-def write_worker_record(directory: str, local_rank: int, run_id: str, step: int, local_world_size: int) -> None:
-    """A worker's newest completely captured step (the agent's input for the next generation)."""
+def write_worker_record(directory: str, local_rank: int, run_id: str, step: int, local_world_size: int,
+                        verified_step: int) -> None:
+    """A worker's newest completely captured step and newest RECOVERY_VERIFIED step (-1: none),
+    the agent's input for the next generation."""
     atomic_write(record_path(directory, local_rank),
-                 _encode({"schema": RECORD_SCHEMA, "run_id": run_id, "step": step,
-                          "local_world_size": local_world_size}))
+                 encode_json({"schema": RECORD_SCHEMA, "run_id": run_id, "step": step,
+                          "local_world_size": local_world_size, "verified_step": verified_step}))
 
 
-def read_worker_steps(directory: str, run_id: str) -> List[int]:
-    """The steps every worker record of `run_id` in `directory` holds (empty: none yet). A record of
-    another run is ignored; a corrupt one fails closed."""
-    steps = []
+@dataclass(frozen=True)
+class NodeSteps:
+    """What a node's workers recorded: the newest step all of them captured, and the newest
+    RECOVERY_VERIFIED step all of them hold (-1: some worker knows none)."""
+
+    latest: int
+    verified: int
+
+
+def read_worker_steps(directory: str, run_id: str) -> List[NodeSteps]:
+    """Every worker record of `run_id` in `directory` (empty: none yet). A record of another run
+    is ignored; a corrupt one fails closed."""
+    records = []
     for name in sorted(os.listdir(directory)):
         if not (name.startswith("worker-") and name.endswith(".json")):
             continue
         path = os.path.join(directory, name)
-        data = _read_json(path)
+        data = read_json(path)
         if not isinstance(data, dict) or data.get("schema") != RECORD_SCHEMA or set(data) != {
-                "schema", "run_id", "step", "local_world_size"}:
+                "schema", "run_id", "step", "local_world_size", "verified_step"}:
             raise ContextError(f"{path}: not a worker record ({RECORD_SCHEMA})")
         if data["run_id"] != run_id:
             continue
         if not is_int(data["step"]) or data["step"] < 0:
             raise ContextError(f"{path}: step must be a non-negative integer")
-        steps.append(data["step"])
-    return steps
+        if not is_int(data["verified_step"]) or data["verified_step"] < -1:
+            raise ContextError(f"{path}: verified_step must be -1 (none) or a non-negative step")
+        records.append(NodeSteps(data["step"], data["verified_step"]))
+    return records
 
 
-def node_step(directory: str, run_id: str) -> Optional[int]:
-    """The newest step every local worker of `run_id` captured (min over records), or None."""
-    steps = read_worker_steps(directory, run_id)
-    return min(steps) if steps else None
+def node_steps(directory: str, run_id: str) -> Optional[NodeSteps]:
+    """The newest steps every local worker of `run_id` recorded (min over records), or None."""
+    records = read_worker_steps(directory, run_id)
+    if not records:
+        return None
+    return NodeSteps(min(r.latest for r in records), min(r.verified for r in records))

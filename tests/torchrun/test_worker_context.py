@@ -60,7 +60,7 @@ def test_corrupt_or_foreign_contexts_fail_closed(tmp_path):
         load_worker_context(_env(_write(tmp_path, topology_digest="0" * 32)))
     path = _write(tmp_path)
     with open(path, "w") as f:
-        f.write('{"schema": "lm-resiliency-torchrun-context/1", "run_id": "run-1"}')
+        f.write('{"schema": "lm-resiliency-torchrun-context/2", "run_id": "run-1"}')
     with pytest.raises(TorchrunWorkerAdapterError, match="fields .* differ"):
         load_worker_context(_env(path))
     os.unlink(path)
