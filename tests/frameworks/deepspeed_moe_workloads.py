@@ -53,8 +53,8 @@ def build_engine(rank: int, ep_size: int, stage: int):
     np.random.seed(rank)  # forked ranks would otherwise inherit whatever the zygote's streams hold
     random.seed(rank)
     model = MoENet(ep_size)
-    with torch.no_grad():  # experts differ per expert-parallel rank (the engine makes them equal over expert DP)
-        gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # experts differ per rank; deepspeed.initialize makes them equal over expert DP
+        gen = torch.Generator().manual_seed(7 + rank)
         for p in model.moe.deepspeed_moe.experts.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     groups = split_params_into_different_moe_groups_for_optimizer(
