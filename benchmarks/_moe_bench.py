@@ -6,8 +6,8 @@ Configurations, each with its own model copy and Adam (same initial weights): th
 (baseline); `enable_resiliency(..., interval=10, enable_checkpoint=False,
 replay=ReplayHarnessConfig(workload=<expert workload>, all_to_all_policy=None))` (dense replay of
 the embedding, a rotating block and the head, plus expert replay of one catalog recipe per check);
-the same with the default `BalancedAndPermutationPolicy` (AllToAll replay of the check step's
-captured dispatch); unless `--no-interval-1`, that one at interval 1.
+the same with `BalancedAndPermutationPolicy(--moe-a2a-bytes)` (AllToAll replay of the check
+step's captured dispatch; the default budget is the policy's, 4 MiB per rank); unless `--no-interval-1`, that one at interval 1.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def moe_rank_main(rank: int, world: int, opts: dict) -> dict:
         workload = ReplayWorkload.from_moe_catalog(recipes, replay_modules=[cfg.model.moe.experts],
                                                    materializer=GroupedExpertMaterializer(),
                                                    device_mesh=cfg.options["mesh"])
-        policy = BalancedAndPermutationPolicy() if cfg.options["all_to_all"] else None
+        budget = opts["moe_a2a_bytes"]
+        policy = None if not cfg.options["all_to_all"] else (
+            BalancedAndPermutationPolicy(budget) if budget else BalancedAndPermutationPolicy())
         return enable_resiliency(cfg.ddp, cfg.optimizer, interval=cfg.interval, enable_checkpoint=False,
                                  replay=ReplayHarnessConfig(workload=workload, all_to_all_policy=policy), **callbacks)
 

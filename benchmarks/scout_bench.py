@@ -529,7 +529,8 @@ def moe_part(args: argparse.Namespace) -> Dict[str, Any]:
     from benchmarks._moe_bench import moe_rank_main
 
     opts = {k: getattr(args, k) for k in ("vocab", "seq", "batch", "step_ms", "max_batch", "rounds", "steps",
-                                          "interval_1", "timeout", "moe_dim", "moe_blocks", "moe_experts", "moe_ep")}
+                                          "interval_1", "timeout", "moe_dim", "moe_blocks", "moe_experts", "moe_ep",
+                                          "moe_a2a_bytes")}
     log(f"MoE: {args.ranks} ranks (EP {args.moe_ep} x expert-DP {args.ranks // args.moe_ep}), dim {args.moe_dim}, "
         f"{args.moe_experts} experts per rank, {args.moe_blocks} dense blocks, {args.rounds} rounds x {args.steps} "
         f"steps per configuration (load average {os.getloadavg()[0]:.2f})")
@@ -544,14 +545,15 @@ def moe_part(args: argparse.Namespace) -> Dict[str, Any]:
         f"{args.moe_blocks} dense MLP blocks, head) under DDP + Adam, batch {r0['batch']} x {args.seq} tokens/rank",
         f"a check replays the dense embedding, one block and the head among ranks {first.get('group_ranks')}, and "
         f"the local experts at one recipe among expert peers {first.get('expert_group_ranks')} (catalog n_exec "
-        f"{r0['recipes']}, one recipe per check); AllToAll replay: BalancedAndPermutationPolicy() on the captured "
-        f"dispatch groups; {args.rounds} interleaved rounds x {args.steps} steps per config, enable_checkpoint=False"])
+        f"{r0['recipes']}, one recipe per check); AllToAll replay: BalancedAndPermutationPolicy({args.moe_a2a_bytes or ''}) on "
+        f"the captured groups; {args.rounds} interleaved rounds x {args.steps} steps per config, enable_checkpoint=False"])
     return {
         "config": {"ranks": args.ranks, "model": {"vocab": args.vocab, "dim": args.moe_dim, "hidden": 4 * args.moe_dim,
                                                   "experts_per_rank": args.moe_experts, "ep": args.moe_ep,
                                                   "dense_blocks": args.moe_blocks, "seq": args.seq,
                                                   "params_per_rank": r0["params"]},
-                   "batch": r0["batch"], "recipes": r0["recipes"], "step_ms_target": args.step_ms,
+                   "batch": r0["batch"], "recipes": r0["recipes"], "all_to_all_max_payload_bytes_per_rank":
+                   args.moe_a2a_bytes, "step_ms_target": args.step_ms,
                    "rounds": args.rounds, "steps_per_round": args.steps, "optimizer": "Adam",
                    "wrapper": "DDP (experts ignored, averaged over expert-DP)", "enable_checkpoint": False},
         "loadavg": m["loadavg"], "calibration": r0["calibration"], "rows": m["rows"], "summaries": m["summaries"],
@@ -576,6 +578,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="dense residual MLP blocks after the MoE layer (23: one MoE layer in a 24-layer model)")
     p.add_argument("--moe-experts", type=int, default=2, help="local experts per rank")
     p.add_argument("--moe-ep", type=int, default=2, help="expert-parallel degree (--ranks / it expert-DP replicas)")
+    p.add_argument("--moe-a2a-bytes", type=int, default=None,
+                   help="max_payload_bytes_per_rank of the AllToAll replay's BalancedAndPermutationPolicy "
+                        "(default: the policy's, 4 MiB)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: calibrate to --step-ms)")
     p.add_argument("--step-ms", type=float, default=600.0, help="baseline step time the batch is sized for")
@@ -591,8 +596,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.ranks < 2:
         p.error("--ranks must be >= 2")
     if min(args.vocab, args.dim, args.blocks, args.seq, args.rounds, args.steps, args.moe_dim, args.moe_experts,
-           args.moe_ep) < 1 or args.batch < 0 or args.moe_blocks < 0:
-        p.error("sizes, --rounds and --steps must be positive, --batch and --moe-blocks >= 0")
+           args.moe_ep) < 1 or args.batch < 0 or args.moe_blocks < 0 or (args.moe_a2a_bytes is not None and args.moe_a2a_bytes < 1):
+        p.error("sizes, --rounds, --steps and --moe-a2a-bytes must be positive, --batch and --moe-blocks >= 0")
     if args.blocks < 2:
         p.error("--blocks must be >= 2 (SCOUT's hidden check needs a ModuleList of at least two blocks)")
     if args.steps % MAIN_INTERVAL:
