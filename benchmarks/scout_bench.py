@@ -1,6 +1,10 @@
-"""SCOUT replay overhead on DDP training: cost per check and amortized overhead at interval 10.
+"""SCOUT replay overhead on DDP and MoE training: cost per check and amortized overhead at interval 10.
 
-    python -m benchmarks.scout_bench [--ranks 4] [--rounds 4] [--steps 50] [--out benchmarks/results/scout.json]
+    python -m benchmarks.scout_bench [--part all|dense|moe] [--ranks 4] [--rounds 4] [--steps 50]
+                                     [--out benchmarks/results/scout.json]
+
+The dense part is described here; `--part moe` runs the MoE part (benchmarks/_moe_bench.py) by
+the same method.
 
 `--ranks` real processes joined by gloo (TCPStore, as under torchrun) train a small language
 model (an `nn.Embedding`, `--blocks` residual MLP blocks in an `nn.ModuleList`, a vocabulary
