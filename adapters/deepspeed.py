@@ -18,12 +18,13 @@ copied in place. Values DeepSpeed keeps as Python objects (the loss scaler, the 
 stored as plain fields and put back onto the live objects; derived universal-checkpoint
 metadata (`param_slice_mappings`) is not captured.
 
-MoE engines (`deepspeed.moe.layer.MoE`, ZeRO 0-2): each rank captures its own experts with the
-rest of its state. The topology carries the expert layout from `deepspeed.utils.groups`: the
-expert-parallel size of each expert group name, the expert-data-parallel groups gathered from
-every rank (`expert_peer_groups`, where SCOUT's expert replay finds its peers) and the paths of
-the expert modules, which dense replay leaves to the expert replay (experts differ across
-expert-parallel ranks, so data-parallel peers cannot compare them).
+MoE engines (`deepspeed.moe.layer.MoE`, ZeRO 0-2; DeepSpeed refuses them under ZeRO-3): each
+rank captures its own experts with the rest of its state. The topology carries the expert layout
+from `deepspeed.utils.groups`: the expert-parallel size of each expert group name, the
+expert-data-parallel groups gathered from every rank (`expert_peer_groups`, where SCOUT's expert
+replay finds its peers) and the paths of the expert modules, which dense replay leaves to the
+expert replay (experts differ across expert-parallel ranks, so data-parallel peers cannot
+compare them).
 
 The engine is hooked by `lm_resiliency.callbacks.deepspeed` (which builds this adapter); this
 module only imports DeepSpeed lazily, inside the functions that need it.
@@ -233,7 +234,8 @@ class DeepSpeedAdapter(HookFactoryAdapter):
 
     `hooks` registers the lifecycle hooks on the engine: a callable `(adapter, callbacks) -> object
     with remove()`, supplied by `lm_resiliency.callbacks.deepspeed` (build adapters with its
-    `build_adapter`)."""
+    `build_adapter`). For an MoE engine construction is collective: every rank gathers the
+    expert-data-parallel groups, waiting at most `timeout_s`."""
 
     framework = "deepspeed"
 
