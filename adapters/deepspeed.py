@@ -18,6 +18,14 @@ copied in place. Values DeepSpeed keeps as Python objects (the loss scaler, the 
 stored as plain fields and put back onto the live objects; derived universal-checkpoint
 metadata (`param_slice_mappings`) is not captured.
 
+MoE engines (`deepspeed.moe.layer.MoE`, ZeRO 0-2; DeepSpeed refuses them under ZeRO-3): each
+rank captures its own experts with the rest of its state. The topology carries the expert layout
+from `deepspeed.utils.groups`: the expert-parallel size of each expert group name, the
+expert-data-parallel groups gathered from every rank (`expert_peer_groups`, where SCOUT's expert
+replay finds its peers) and the paths of the expert modules, which dense replay leaves to the
+expert replay (experts differ across expert-parallel ranks, so data-parallel peers cannot
+compare them).
+
 The engine is hooked by `lm_resiliency.callbacks.deepspeed` (which builds this adapter); this
 module only imports DeepSpeed lazily, inside the functions that need it.
 """
@@ -30,7 +38,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
+from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology, gather_partition
 from lm_resiliency.attach import AttachOptions
 from lm_resiliency.settings import read_settings
 
@@ -186,16 +194,53 @@ def _shape_of(value: Any) -> Any:
     return value
 
 
+def _expert_layout(engine: Any, timeout_s: float) -> Dict[str, Any]:
+    """An MoE engine's expert layout for the topology descriptor (see the module doc). One expert
+    group name (every MoE layer at the same ep_size) fills `ep` and `expert_peer_groups`; with
+    several, expert replay cannot use one set of peers, so only the per-name groups are given."""
+    from deepspeed.moe.experts import Experts
+    from deepspeed.utils import groups
+
+    modules = [path for path, m in engine.module.named_modules() if isinstance(m, Experts)]
+    if not modules:  # AutoEP layers keep their experts elsewhere: dense replay could not leave them out
+        raise TypeError("DeepSpeed adapter: the engine's MoE layers are not deepspeed.moe.layer.MoE (AutoEP "
+                        "replacement layers?); only deepspeed.moe.layer.MoE expert parallelism is supported in "
+                        "this release")
+    edp = getattr(engine, "expert_data_parallel_group", None) or {}
+    names = sorted(edp)
+    if not names:
+        raise RuntimeError("DeepSpeed adapter: the engine has MoE layers but no expert-data-parallel groups "
+                           "(deepspeed.utils.groups); attach after deepspeed.initialize() returns")
+    source = "DeepSpeed adapter (deepspeed.utils.groups expert-data-parallel groups)"
+    by_name = {name: {"ep": int(groups._get_expert_parallel_world_size(name)),
+                      "expert_dp_groups": gather_partition(dist.get_process_group_ranks(edp[name]), timeout_s,
+                                                           source)} for name in names}
+    layout: Dict[str, Any] = {
+        "expert_groups": by_name,
+        "expert_modules": modules,
+    }
+    if len(names) == 1:
+        layout["ep"] = by_name[names[0]]["ep"]
+        layout["expert_peer_groups"] = by_name[names[0]]["expert_dp_groups"]
+    else:
+        logger.warning("lm-resiliency: the DeepSpeed MoE layers use %d expert group sizes (%s); SCOUT's expert "
+                       "replay needs one set of expert peers, so it is off unless ReplayWorkload(device_mesh=...) "
+                       "names the layout", len(names), ", ".join(names))
+    return layout
+
+
 class DeepSpeedAdapter(HookFactoryAdapter):
     """Adapter for one `deepspeed.initialize()` engine (data parallel, ZeRO stage 0-3).
 
     `hooks` registers the lifecycle hooks on the engine: a callable `(adapter, callbacks) -> object
     with remove()`, supplied by `lm_resiliency.callbacks.deepspeed` (build adapters with its
-    `build_adapter`)."""
+    `build_adapter`). For an MoE engine construction is collective: every rank gathers the
+    expert-data-parallel groups, waiting at most `timeout_s`."""
 
     framework = "deepspeed"
 
-    def __init__(self, engine: Any, *, hooks: Callable[["DeepSpeedAdapter", StepCallbacks], Any]) -> None:
+    def __init__(self, engine: Any, *, hooks: Callable[["DeepSpeedAdapter", StepCallbacks], Any],
+                 timeout_s: float = 300.0) -> None:
         if not is_deepspeed_engine(engine):
             raise TypeError("DeepSpeed adapter: expected the engine returned by deepspeed.initialize(), got "
                             f"{type(engine).__module__}.{type(engine).__qualname__}")
@@ -215,8 +260,6 @@ class DeepSpeedAdapter(HookFactoryAdapter):
             unsupported.append(f"model parallelism (mp_world_size={engine.mp_world_size})")
         if int(getattr(engine, "sequence_parallel_size", 1) or 1) != 1:
             unsupported.append(f"sequence parallelism (sequence_parallel_size={engine.sequence_parallel_size})")
-        if getattr(engine, "has_moe_layers", False):
-            unsupported.append("MoE layers (expert parallelism)")
         if engine.zero_nvme_offload_optimizer() or _nvme(engine.zero_offload_param()):
             unsupported.append("ZeRO-Infinity NVMe offload (state in swap files)")
         if unsupported:
@@ -232,6 +275,8 @@ class DeepSpeedAdapter(HookFactoryAdapter):
         if self.stage > 0 and not callable(getattr(self.optimizer, "load_state_dict", None)):
             raise TypeError(f"DeepSpeed adapter: the ZeRO-{self.stage} optimizer {type(self.optimizer).__name__} "
                             "has no load_state_dict()")
+        # Collective (every rank gathers the expert-data-parallel groups), like the rest of attach.
+        self._experts = _expert_layout(engine, timeout_s) if getattr(engine, "has_moe_layers", False) else {}
         HookFactoryAdapter.__init__(self, hooks)
         self.recovered_step: Optional[int] = None  # set when GEMINI state was loaded into the engine
 
@@ -244,6 +289,7 @@ class DeepSpeedAdapter(HookFactoryAdapter):
             "kind": "deepspeed", "zero_stage": self.stage, "dp_world_size": dp,
             "mp_world_size": int(getattr(engine, "mp_world_size", 1)), "precision": _precision(engine),
             "dp_replicate": dp if self.stage == 0 else 1, "dp_shard": dp if self.stage > 0 else 1,
+            **self._experts,
         }
         # ZeRO partitions optimizer state (and for stage 3 parameters): every rank's shard is unique,
         # so GEMINI keeps a peer replica.

@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency import wire
-from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology
+from lm_resiliency.adapter import HookFactoryAdapter, StepCallbacks, Topology, gather_partition
 from lm_resiliency.wrappers import persistent_buffers
 
 logger = logging.getLogger(__name__)
@@ -73,16 +72,6 @@ class _NoOptimizerCheck:
 
     param_groups: list = []
     state: dict = {}
-
-
-def _all_groups(ranks: List[int], timeout_s: float) -> List[List[int]]:
-    """Every rank's group (given its own): the partition of the job, sorted."""
-    gathered = wire.all_gather_json(sorted(int(r) for r in ranks), timeout_s=timeout_s)
-    groups = [list(group) for group in sorted({tuple(g) for g in gathered})]
-    if sorted(r for group in groups for r in group) != list(range(len(gathered))):
-        raise RuntimeError(f"Megatron adapter: the process groups {groups} of parallel_state do not partition the "
-                           f"{len(gathered)} ranks; was initialize_model_parallel() called alike on every rank?")
-    return groups
 
 
 class MegatronAdapter(HookFactoryAdapter):
@@ -154,8 +143,10 @@ class MegatronAdapter(HookFactoryAdapter):
         }
         # Dense replay peers hold the same parameters at equal TP/PP/CP coordinates: Megatron's
         # data-parallel group without context parallelism, gathered so every rank knows all of them.
-        descriptor["peer_groups"] = _all_groups(dist.get_process_group_ranks(dp_group), timeout_s)
-        descriptor["expert_peer_groups"] = _all_groups(dist.get_process_group_ranks(expert_dp_group), timeout_s)
+        source = "Megatron adapter (megatron.core.parallel_state)"
+        descriptor["peer_groups"] = gather_partition(dist.get_process_group_ranks(dp_group), timeout_s, source)
+        descriptor["expert_peer_groups"] = gather_partition(dist.get_process_group_ranks(expert_dp_group), timeout_s,
+                                                            source)
         return descriptor
 
     def topology(self) -> Topology:

@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 T0 = time.monotonic()  # reset in each rank from the parent's, so every line shares one clock
 
@@ -49,6 +49,35 @@ def gather(values: List[float], world: int) -> List[List[float]]:
     out = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(out, t)
     return [o.tolist() for o in out]
+
+
+def calibrate_batch(step: Callable[[int], None], world: int, target_s: float, max_batch: int, *, start: int,
+                    fraction: float, multiple: int = 1) -> Tuple[int, Dict[int, float]]:
+    """(batch, {batch: probed step seconds}): the batch grown from `start` (in multiples of
+    `multiple`, at most `max_batch`, at most 8 probes) until the step `step(batch)` takes
+    `fraction x target_s`. Each probe is the fastest of 3 steps after a warm-up one, slowest rank
+    each, so background load does not shrink the batch and every rank decides from the same
+    gathered numbers. Collective on the world."""
+    import torch.distributed as dist
+
+    def probe(n: int) -> float:
+        step(n)
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(n)
+            times.append(max(r[0] for r in gather([time.perf_counter() - t0], world)))
+        return min(times)
+
+    batch, probes = start, {}
+    for _ in range(8):
+        probes[batch] = t = probe(batch)
+        if t >= fraction * target_s or batch >= max_batch:
+            break
+        grow = min(4.0, max(1.25, target_s / t))
+        batch = min(max_batch, max(batch + multiple, int(round(batch * grow / multiple)) * multiple))
+    return batch, probes
 
 
 def format_table(rows: List[dict], columns: Sequence[str] = (), heads: Sequence[str] = ()) -> str:

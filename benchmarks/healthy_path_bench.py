@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from benchmarks._ranks import format_table, gather, pct, run_ranks
+from benchmarks._ranks import calibrate_batch, format_table, gather, pct, run_ranks
 from benchmarks._ranks import log as _log
 
 MIB = 1024 * 1024
@@ -182,25 +182,8 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     if opts["batch"] > 0:
         batch_size = opts["batch"]
     else:
-        def probe(n: int) -> float:
-            bx, by = batch(n)
-            step(base.model, base.optimizer, bx, by)
-            times = []
-            for _ in range(3):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(base.model, base.optimizer, bx, by)
-                times.append(max(r[0] for r in gather([time.perf_counter() - t0], world)))
-            return min(times)
-
-        batch_size, probes = 8, {}
-        for _ in range(8):
-            probes[batch_size] = probe(batch_size)
-            t = probes[batch_size]
-            if t >= 0.85 * target or batch_size >= opts["max_batch"]:
-                break
-            grow = min(4.0, max(1.25, target / t))
-            batch_size = min(opts["max_batch"], int(round(batch_size * grow / 8)) * 8)
+        batch_size, probes = calibrate_batch(lambda n: step(base.model, base.optimizer, *batch(n)), world, target,
+                                             opts["max_batch"], start=8, fraction=0.85, multiple=8)
         calibration = {"probe_step_s": {str(k): v for k, v in probes.items()}, "target_s": target}
         say("calibration: " + ", ".join(f"batch {k}: {v * 1e3:.0f} ms" for k, v in probes.items())
             + f" -> batch {batch_size} for ~{opts['step_ms']:.0f} ms")

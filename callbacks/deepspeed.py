@@ -181,8 +181,10 @@ class DeepSpeedEngineHooks:
                 delattr(engine, name)
 
 
-def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = None) -> DeepSpeedAdapter:
-    """The DeepSpeed adapter with these hooks."""
+def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = None,
+                  timeout_s: float = 300.0) -> DeepSpeedAdapter:
+    """The DeepSpeed adapter with these hooks (collective for an MoE engine: it gathers the
+    expert-data-parallel groups, waiting at most `timeout_s`)."""
     if optimizer is not None:
         raise TypeError("enable_resiliency: DeepSpeed owns its optimizer; pass only the engine "
                         "(enable_resiliency(engine, interval=...))")
@@ -191,7 +193,7 @@ def build_adapter(engine: Any, optimizer: Any = None, options: Optional[dict] = 
         raise TypeError(f"enable_resiliency: the deepspeed adapter does not accept {unsupported}; it takes the "
                         "engine and the common arguments only (interval, checkpoint, replay, extra_state_fn, "
                         "load_extra_state_fn, load_fallback, ...)")
-    return DeepSpeedAdapter(engine, hooks=DeepSpeedEngineHooks)
+    return DeepSpeedAdapter(engine, hooks=DeepSpeedEngineHooks, timeout_s=timeout_s)
 
 
 def attach_engine(engine: Any, options: AttachOptions, optimizer: Any = None,
@@ -199,7 +201,7 @@ def attach_engine(engine: Any, options: AttachOptions, optimizer: Any = None,
     """Attach to a DeepSpeed engine; `enable_resiliency` dispatches DeepSpeed engines here. The
     engine config's optional "lm_resiliency" section fills the arguments left unset."""
     options = with_config_section(engine, options)
-    adapter = build_adapter(engine, optimizer, framework_options)
+    adapter = build_adapter(engine, optimizer, framework_options, options.config.timeout_s)
     return attach(adapter, options)
 
 

@@ -8,7 +8,9 @@ boundaries to the session and reads/writes framework state when the session asks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from lm_resiliency import wire
 
 
 @dataclass(frozen=True)
@@ -121,3 +123,15 @@ def check_extra_state(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError(f"extra_state_fn returned {forbidden}: model and optimizer state are captured by "
                          "the framework adapter; return only caller-owned state (scheduler, sampler, ...)")
     return extra
+
+
+def gather_partition(ranks: Sequence[int], timeout_s: float, source: str) -> List[List[int]]:
+    """The process groups of one kind across the job, from every rank's own group `ranks` (one
+    all-gather over the world, bounded by `timeout_s`): their partition of the ranks, sorted.
+    RuntimeError, naming `source`, when they do not partition the job."""
+    gathered = wire.all_gather_json(sorted(int(r) for r in ranks), timeout_s=timeout_s)
+    groups = [list(group) for group in sorted({tuple(g) for g in gathered})]
+    if sorted(r for group in groups for r in group) != list(range(len(gathered))):
+        raise RuntimeError(f"{source}: the process groups {groups} do not partition the {len(gathered)} ranks; were "
+                           "they created alike on every rank?")
+    return groups

@@ -17,7 +17,7 @@ def test_replayed_share_is_the_sampled_modules_share_of_multiply_adds():
 
 def test_scout_benchmark_runs_checks_without_false_alarms(tmp_path):
     out = tmp_path / "scout.json"
-    assert scout_bench.main(["--ranks", "3", "--blocks", "2", "--dim", "32", "--vocab", "64", "--seq", "8",
+    assert scout_bench.main(["--part", "dense", "--ranks", "3", "--blocks", "2", "--dim", "32", "--vocab", "64", "--seq", "8",
                              "--batch", "2", "--rounds", "1", "--steps", "20", "--no-interval-1",
                              "--out", str(out), "--timeout", "120"]) == 0
     result = json.loads(out.read_text())
@@ -27,6 +27,27 @@ def test_scout_benchmark_runs_checks_without_false_alarms(tmp_path):
     assert result["unhealthy_replay_results"] == {"SCOUT interval 10": 0}
     assert result["oob_reports"] == {"SCOUT interval 10": 0}
     assert result["config"]["model"]["replayed_share_of_macs"] == pytest.approx(10240 / 18432)
+    assert "moe" not in result
+
+
+def test_scout_benchmark_moe_part_runs_expert_and_all_to_all_checks(tmp_path):
+    # EP 2 x expert-DP 2 on 4 ranks; tokens per rank 2 x 8 over 2 local experts: recipes n_exec 4 and 8.
+    out = tmp_path / "scout.json"
+    assert scout_bench.main(["--part", "moe", "--ranks", "4", "--moe-dim", "16", "--moe-blocks", "2", "--vocab", "64",
+                             "--seq", "8", "--batch", "2", "--rounds", "1", "--steps", "20", "--no-interval-1",
+                             "--out", str(out), "--timeout", "200"]) == 0
+    result = json.loads(out.read_text())["moe"]
+    assert [row["config"] for row in result["rows"]] == ["baseline", "expert replay interval 10",
+                                                         "expert + AllToAll interval 10"]
+    assert result["config"]["recipes"] == [4, 8]
+    for summary in result["summaries"][1:]:
+        assert summary["steps"] == 20 and summary["checks"] == 2
+        assert summary["per_check"]["rank_mean"]["replay_expert"] > 0
+    assert result["summaries"][1]["per_check"]["rank_mean"]["all_to_all"] == 0
+    assert result["summaries"][2]["per_check"]["rank_mean"]["all_to_all"] > 0
+    assert [c["expert_group_ranks"] for c in result["per_config"][1:]] == [[0, 2], [0, 2]]
+    assert result["unhealthy_replay_results"] == {"expert replay interval 10": 0, "expert + AllToAll interval 10": 0}
+    assert result["oob_reports"] == {"expert replay interval 10": 0, "expert + AllToAll interval 10": 0}
 
 
 def test_gemini_capture_costs_time_every_integrity_setting(tmp_path):

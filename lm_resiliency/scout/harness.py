@@ -59,6 +59,18 @@ logger = logging.getLogger(__name__)
 _SESSIONS = itertools.count()
 
 
+def _declared_experts(model: nn.Module, topology: Optional[Mapping[str, Any]]) -> tuple:
+    """The expert modules an adapter names (descriptor `expert_modules`, paths in `model`, e.g.
+    DeepSpeed's): they differ across expert-parallel ranks, so dense replay leaves them out."""
+    paths = list((topology or {}).get("expert_modules") or ())
+    modules = dict(model.named_modules())
+    missing = [p for p in paths if p not in modules]
+    if missing:
+        raise ReplayUnsupportedError(f"the topology names expert modules {missing} that the replayed model does not "
+                                     "have, so dense replay cannot tell which modules differ across expert ranks")
+    return tuple(modules[p] for p in paths)
+
+
 def _parameter_mesh(model: nn.Module) -> Optional[tuple]:
     """(shape, dim names, ranks in mesh order) of the root device mesh of the model's DTensor
     parameters; None without DTensors. Parameters on unrelated meshes: UnknownLayoutError."""
@@ -131,7 +143,7 @@ class ScoutHarness:
                 workload = config.workload
                 expert = workload.replay_modules if workload is not None and workload.peer_role == "expert" else ()
                 self.detector = ReplayDetector(model, optimizer, config, group=replay_group, group_ranks=group_ranks,
-                                               exclude=expert)
+                                               exclude=tuple(expert) + _declared_experts(model, topology))
             except ReplayUnsupportedError as exc:
                 logger.warning("SCOUT: replay checks disabled: %s", exc)
             else:
