@@ -77,7 +77,6 @@ class InMemoryCheckpointManager:
         self._group_lock = threading.Lock()  # the training and replication threads both close the group
         self._abandoned: Optional[str] = None  # why this rank stopped replicating (its training failed)
         self._board: Optional[AbandonBoard] = None
-        self._board_marked = False
         self._previous_handlers: Dict[int, Any] = {}
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
@@ -175,7 +174,7 @@ class InMemoryCheckpointManager:
             self._adopt_predecessor_slots()
         self._replicator = (PeerReplicator(self._group, self.rank, self.pairing,
                                            self.config.replication_chunk_size, timeout,
-                                           on_failure=self._stop_replicating)
+                                           on_failure=self._close_links)
                             if self.pairing else None)
         self._capture_done = threading.Event()
         self._capture_done.set()
@@ -325,7 +324,7 @@ class InMemoryCheckpointManager:
         try:
             self._exchange_replica(source)
         except BaseException as exc:
-            self._abort_group_after_failure(source.step, exc)
+            self._abort_group_after_failure(source.step)
             if self._abandoned is not None:  # this rank's own decision, not a failure to report
                 logger.warning("GEMINI: rank %d did not replicate step %d: %s", self.rank, source.step, exc)
                 return
@@ -347,28 +346,27 @@ class InMemoryCheckpointManager:
         if self._abandoned is not None or getattr(self, "pairing", None) is None or self._closed:
             return
         self._abandoned = reason
-        self._stop_replicating(reason)
+        if self._board is not None:  # before the links close: the partners' errors read it
+            self._board.mark(self.rank, self.latest_step, reason)
+        self._close_links()
 
-    def _stop_replicating(self, reason: str) -> None:
-        """Tell the partners why (once, out of band) and close GEMINI's links on this rank, even
-        while the replication worker waits on them."""
+    def _close_links(self, why: str = "stopped replicating") -> None:
+        """Close GEMINI's links on this rank, even while the replication worker waits on them."""
         with self._group_lock:
-            if self._board is not None and not self._board_marked:
-                self._board_marked = True
-                self._board.mark(self.rank, self.latest_step, reason)
             if self._group is not None:
+                logger.debug("GEMINI: rank %d closes GEMINI's links: %s", self.rank, why)
                 close_links(self._group, self.pairing.recv_from)
 
-    def _abort_group_after_failure(self, step: int, error: BaseException) -> None:
+    def _abort_group_after_failure(self, step: int) -> None:
         """A failed exchange leaves this rank's pairs out of step, and the ranks chained to it
         (the one we send to, the one we hold) waiting on messages that will never come. Its
-        links are closed (`_stop_replicating`), so their waits fail at once instead of after
+        links are closed (`_close_links`), so their waits fail at once instead of after
         timeout_s and every survivor reaches its own error (and exits) in seconds; the group is
         then destroyed and every reference dropped. The training thread raises the failure at
         the next maybe_wait(); nothing uses the group after it."""
         if self._group is None or self._group_aborted:
             return
-        self._stop_replicating(f"its replication of step {step} failed: {error}")
+        self._close_links(f"the replication of step {step} failed")
         with self._group_lock:
             self._group_aborted = True
             group, self._group = self._group, None
