@@ -229,6 +229,9 @@ class ResiliencyCallback(*_callback_bases()):
         if session is None:
             return
         try:
+            # This launch ends abnormally: keep the host slots for the relaunch and stop replicating
+            # now, so no rank waits timeout_s on an exchange with a peer stuck in a training collective.
+            session.keep_state_for_relaunch()
             step = session.flush_for_restart()
             logger.warning("lm-resiliency: %s during fit; GEMINI step %d is on node-local disk for the restart",
                            type(exception).__name__, step)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lm_resiliency import wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
 from lm_resiliency.codec import Layout, decode_state, encode_state
+from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini import timeline
 from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
@@ -73,6 +74,9 @@ class InMemoryCheckpointManager:
         self._closed = False
         self._group: Optional[dist.ProcessGroup] = None
         self._group_aborted = False
+        self._group_lock = threading.Lock()  # the training and replication threads both close the group
+        self._abandoned: Optional[str] = None  # why this rank stopped replicating (its training failed)
+        self._board: Optional[AbandonBoard] = None
         self._previous_handlers: Dict[int, Any] = {}
         self._workers: list = []
         self._sources: Dict[str, Any] = {}
@@ -147,6 +151,8 @@ class InMemoryCheckpointManager:
         # A new lineage per manager; `load()` forks it from the recovered (lineage, step).
         self._timeline = timeline.Timeline(timeline.draw_lineage(self._group))
         self._recovered: Optional[tuple] = None  # (lineage, ancestry) of the plan find_latest chose
+        if self.pairing is not None:
+            self._board = AbandonBoard.open(f"lm_resiliency/gemini/{self.run_id}/{self._timeline.lineage}/stopped/")
         descriptor = {"rank": self.rank, "world_size": self.world_size,
                       "jump": self.pairing.jump if self.pairing else 0, "topology": topology or {}}
         self.topology = topology_fingerprint(descriptor, self._group)
@@ -167,7 +173,8 @@ class InMemoryCheckpointManager:
         if self._arena is not None:
             self._adopt_predecessor_slots()
         self._replicator = (PeerReplicator(self._group, self.rank, self.pairing,
-                                           self.config.replication_chunk_size, timeout)
+                                           self.config.replication_chunk_size, timeout,
+                                           on_failure=self._close_links)
                             if self.pairing else None)
         self._capture_done = threading.Event()
         self._capture_done.set()
@@ -316,24 +323,53 @@ class InMemoryCheckpointManager:
     def _replicate(self, source: HostSlot) -> None:
         try:
             self._exchange_replica(source)
-        except BaseException:
+        except BaseException as exc:
             self._abort_group_after_failure(source.step)
+            if self._abandoned is not None:  # this rank's own decision, not a failure to report
+                logger.warning("GEMINI: rank %d did not replicate step %d: %s", self.rank, source.step, exc)
+                return
+            notice = self._board.find(sorted({self.pairing.recv_from, self.pairing.send_to})) if self._board else None
+            if notice is not None:
+                raise RuntimeError(f"GEMINI replication of step {source.step} on rank {self.rank} failed because "
+                                   f"{notice}; restart the job from the newest recoverable step. "
+                                   f"The exchange reported: {exc}") from exc
             raise
         finally:
             self._own.release(source)
 
+    def _abandon(self, reason: str) -> None:
+        """This rank's training failed: it stops replicating now, so a partner waiting on it (or
+        about to post an exchange with it) fails at once instead of after timeout_s, while this
+        rank's own flush is not held up by an exchange with a partner that is itself stuck (e.g.
+        in a training collective waiting for this rank). Its in-flight exchange ends and is not
+        reported as an error; no later capture is replicated."""
+        if self._abandoned is not None or getattr(self, "pairing", None) is None or self._closed:
+            return
+        self._abandoned = reason
+        if self._board is not None:  # before the links close: the partners' errors read it
+            self._board.mark(self.rank, self.latest_step, reason)
+        self._close_links()
+
+    def _close_links(self, why: str = "stopped replicating") -> None:
+        """Close GEMINI's links on this rank, even while the replication worker waits on them."""
+        with self._group_lock:
+            if self._group is not None:
+                logger.debug("GEMINI: rank %d closes GEMINI's links: %s", self.rank, why)
+                close_links(self._group, self.pairing.recv_from)
+
     def _abort_group_after_failure(self, step: int) -> None:
         """A failed exchange leaves this rank's pairs out of step, and the ranks chained to it
-        (the one we send to, the one we hold) waiting on messages that will never come. Closing
-        GEMINI's group closes its links, so their waits fail at once instead of after timeout_s
-        and every survivor reaches its own error (and exits) in seconds. gloo closes the links
-        only when the group object is freed (abort() does not), hence every reference is dropped.
-        The training thread raises the failure at the next maybe_wait(); nothing uses the group
-        after it."""
+        (the one we send to, the one we hold) waiting on messages that will never come. Its
+        links are closed (`_close_links`), so their waits fail at once instead of after
+        timeout_s and every survivor reaches its own error (and exits) in seconds; the group is
+        then destroyed and every reference dropped. The training thread raises the failure at
+        the next maybe_wait(); nothing uses the group after it."""
         if self._group is None or self._group_aborted:
             return
-        self._group_aborted = True
-        group, self._group = self._group, None
+        self._close_links(f"the replication of step {step} failed")
+        with self._group_lock:
+            self._group_aborted = True
+            group, self._group = self._group, None
         if self._replicator is not None:
             self._replicator.group = None
         try:
@@ -343,6 +379,9 @@ class InMemoryCheckpointManager:
         del group
 
     def _exchange_replica(self, source: HostSlot) -> None:
+        if self._abandoned is not None:
+            raise RuntimeError(f"GEMINI replication of step {source.step} skipped: this rank stopped "
+                               f"replicating ({self._abandoned})")
         if self._group_aborted:
             raise RuntimeError(f"GEMINI replication of step {source.step} skipped: GEMINI's group was "
                                "closed after an earlier replication failed; restart the job")
@@ -811,6 +850,9 @@ class InMemoryCheckpointManager:
     def _check_group(self) -> None:
         """Recovery is collective over GEMINI's group: refuse clearly once it was closed."""
         self._check_usable()
+        if self._abandoned is not None:
+            raise RuntimeError(f"InMemoryCheckpointManager: this rank stopped replicating ({self._abandoned}) "
+                               "and closed GEMINI's group; restart the job to recover")
         if self._group_aborted:
             raise RuntimeError("InMemoryCheckpointManager: GEMINI's group was closed after a replication "
                                "exchange failed (the error was raised at maybe_wait()); restart the job "
@@ -838,6 +880,7 @@ class InMemoryCheckpointManager:
         newest capture and the replica it holds on disk for the restart. Its shared-memory slots
         are kept for the restart too, whoever closes the manager later (atexit, a session)."""
         self._keep_shared = True
+        self._abandon(f"uncaught {exc_type.__name__}")
         try:
             step = self.flush_now()
             logger.warning("GEMINI: uncaught %s: flushed step %d to %s", exc_type.__name__, step,
@@ -865,8 +908,11 @@ class InMemoryCheckpointManager:
 
     def keep_shared_on_close(self) -> None:
         """This process is ending abnormally: `close()` keeps the shared-memory slots for a
-        relaunch of the same run, as after a signal or an uncaught exception."""
+        relaunch of the same run, as after a signal or an uncaught exception. It also stops
+        replicating at once, so its partners' exchanges with it fail now (naming this rank)
+        instead of after `timeout_s`, and its own flush does not wait on them."""
         self._keep_shared = True
+        self._abandon("this launch ends abnormally")
 
     def close(self, keep_shared: Optional[bool] = None) -> None:
         """Finish background work (bounded), release the process group and the host slots.
@@ -931,6 +977,7 @@ class InMemoryCheckpointManager:
         if exc_type is None:
             self.close()
             return
+        self._abandon(f"{exc_type.__name__} left the with-block")
         try:
             self.close(keep_shared=True)
         except Exception:  # the exception leaving the with-block is the one to see

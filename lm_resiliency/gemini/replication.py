@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lm_resiliency import wire
 from lm_resiliency.config import ConfigError
 from lm_resiliency.codec import Layout
+from lm_resiliency.gemini.abandon import close_links
 from lm_resiliency.gemini.slots import HostSlot
 from lm_resiliency.tensor_bytes import tensor_bytes
 
@@ -111,8 +112,11 @@ class PeerReplicator:
     every receive is posted with exactly the length the peer announced."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, pairing: Pairing, chunk_size: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, on_failure: Optional[Callable[[str], None]] = None) -> None:
         self.group = group
+        # Called with what failed, on the first failure of an exchange: closes the group's links
+        # (the manager also tells the partners why).
+        self._on_failure = on_failure or (lambda why: close_links(self.group, self.pairing.recv_from))
         self.rank = rank
         self.pairing = pairing
         self.chunk_size = chunk_size
@@ -217,7 +221,9 @@ class PeerReplicator:
         return works
 
     def _wait(self, works: list) -> None:
-        """Wait for every handle (each bounded), then raise the first failure."""
+        """Wait for every handle (each bounded), then raise the first failure. After a failure
+        the group's links are closed, so the other handles (a receive from a partner that is
+        alive but stuck elsewhere) fail at once instead of each waiting `timeout_s`."""
         first: Optional[BaseException] = None
         for work in works:
             try:
@@ -226,6 +232,8 @@ class PeerReplicator:
                 else:
                     wire.wait(work, self.timeout_s)
             except (RuntimeError, TimeoutError) as exc:
+                if first is None and self.group is not None:
+                    self._on_failure(self._where(exc))
                 first = first or exc
         if first is not None:
             raise type(first)(self._where(first)) from first
