@@ -1,8 +1,8 @@
-"""The one private torch.distributed.elastic detail the backend reads (torch 2.13)."""
+"""The private torch.distributed.elastic details the backend reads (torch 2.13)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 
 def rendezvous_round(handler: Any) -> int:
@@ -14,3 +14,17 @@ def rendezvous_round(handler: Any) -> int:
         raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler has no "
                            "_state_holder.state.round (written for torch 2.13); the backend cannot key its "
                            "per-generation agreement") from exc
+
+
+def membership(handler: Any) -> Tuple[int, bool, bool]:
+    """(live agents that hold or wait for a training place, whether a round has formed, whether the
+    run is closed), from the shared rendezvous state after dropping agents whose keep-alive expired."""
+    try:
+        holder = handler._state_holder
+        holder.sync()
+        state = holder.state
+        return len(state.participants) + len(state.wait_list), bool(state.complete or state.round > 0), state.closed
+    except AttributeError as exc:
+        raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler state has no "
+                           "participants/wait_list/round/closed (written for torch 2.13); standbys cannot wait "
+                           "for a lost node") from exc

@@ -19,16 +19,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from datetime import timedelta
 from typing import Optional
 
 from torch.distributed import PrefixStore, Store
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, RendezvousHandler, RendezvousInfo,
+                                                  RendezvousParameters)
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
-from lm_resiliency.torchrun._compat import rendezvous_round
+from lm_resiliency.torchrun._compat import membership, rendezvous_round
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
 
@@ -40,6 +42,9 @@ POLICY_OPTION = "lm_resiliency_worker_config"
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
 _NO_POLICY = "none"
 _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_STANDBY_POLL_S = 0.5
+_STANDBY_CONFIRM_S = 5.0  # a node must stay missing this long: longer than an agent's leave-and-rejoin
+_STANDBY_MUTEX = "standby/joining"
 
 
 class RendezvousRefused(RuntimeError):
@@ -87,6 +92,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._store: Store = PrefixStore(f"lm_resiliency/{params.run_id}/", store)
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
+        self._standby = False
+        self.min_nodes = params.min_nodes
         self._register()
         self._export_environment()
         logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
@@ -125,10 +132,37 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if self._slot is None:
+            self._wait_as_standby()
         info = self._inner.next_rendezvous()
         generation = rendezvous_round(self._inner)
         self._write_context(generation, info.rank, info.world_size)
         return info
+
+    def _wait_as_standby(self) -> None:
+        """An agent that arrives after the first generation formed parks here, outside torch's
+        rendezvous, until an active node is gone (its keep-alive expired and it stayed missing for
+        `_STANDBY_CONFIRM_S`); then one standby at a time joins. In torch's redundancy list it would
+        join any restart round and could take the place of a healthy node that was restarting."""
+        members, formed, closed = membership(self._inner)
+        if not formed:
+            return
+        logger.warning("lm_resiliency rendezvous: node %s parks as a standby of run %r", self.node_id[:12], self.run_id)
+        short_since: Optional[float] = None
+        while True:
+            if closed:
+                raise RendezvousGracefulExitError(f"run {self.run_id!r} ended while node {self.node_id[:12]} was a "
+                                                  "standby")
+            if members >= self.min_nodes:
+                short_since = None
+            elif short_since is None:
+                short_since = time.monotonic()
+            elif time.monotonic() - short_since >= _STANDBY_CONFIRM_S:
+                if self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode() == self._token:
+                    self._standby = True
+                    return
+            time.sleep(_STANDBY_POLL_S)
+            members, formed, closed = membership(self._inner)
 
     def _write_context(self, generation: int, slot: int, nodes: int) -> None:
         local = ctx.node_step(self.context_dir, self.run_id)
@@ -149,6 +183,9 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         else:
             decision = "same-node restart"
         self._slot = slot
+        if self._standby:  # admitted: the next standby may join after the next loss
+            self._store.set(_STANDBY_MUTEX, "")
+            self._standby = False
         ctx.write_context(self.context_path, ctx.RestartContext(
             run_id=self.run_id, node_id=self.node_id, generation=generation, slot=slot, nodes=nodes,
             topology_digest=topology_digest(self.run_id, nodes), policy_digest=self.policy_digest,
