@@ -42,18 +42,24 @@ rotate_layers = false
 """
 
 
-def _plugin_path(work: str) -> Optional[str]:
-    """torchrun finds rendezvous backends through the `torchrun.handlers` entry point. When this
-    checkout is not pip-installed, a minimal distribution's metadata provides it."""
-    if any(ep.name == "lm_resiliency" for ep in entry_points(group="torchrun.handlers")):
-        return None
-    info = os.path.join(work, "plugin", "lm_resiliency_cycle_plugin-0.dist-info")
+def write_plugin(base: str) -> str:
+    """A directory holding a minimal distribution whose `torchrun.handlers` entry point is
+    lm_resiliency (put it on the agents' PYTHONPATH)."""
+    info = os.path.join(base, "plugin", "lm_resiliency_torchrun_plugin-0.dist-info")
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: lm-resiliency-cycle-plugin\nVersion: 0\n")
+        f.write("Metadata-Version: 2.1\nName: lm-resiliency-torchrun-plugin\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write(f"[torchrun.handlers]\nlm_resiliency = {ENTRY_POINT}\n")
     return os.path.dirname(info)
+
+
+def _plugin_path(work: str) -> Optional[str]:
+    """torchrun finds rendezvous backends through the `torchrun.handlers` entry point; a checkout
+    that is not pip-installed gets it from `write_plugin`."""
+    if any(ep.name == "lm_resiliency" for ep in entry_points(group="torchrun.handlers")):
+        return None
+    return write_plugin(work)
 
 
 class Cluster:
