@@ -42,8 +42,7 @@ POLICY_OPTION = "lm_resiliency_worker_config"
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
 _NO_POLICY = "none"
 _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_STANDBY_POLL_S = 0.5
-_STANDBY_CONFIRM_S = 5.0  # a node must stay missing this long: longer than an agent's leave-and-rejoin
+_STANDBY_POLL_S = 1.0
 _STANDBY_MUTEX = "standby/joining"
 
 
@@ -94,6 +93,10 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._slot: Optional[int] = None
         self._standby = False
         self.min_nodes = params.min_nodes
+        # A node must stay missing twice as long as torch takes to declare it dead: an agent that
+        # restarts its workers leaves the round and rejoins, slowly on a loaded host.
+        self._standby_confirm_s = 2.0 * float(params.get_as_int("keep_alive_interval", 5) or 5) * float(
+            params.get_as_int("keep_alive_max_attempt", 3) or 3)
         self._register()
         self._export_environment()
         logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
@@ -141,8 +144,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def _wait_as_standby(self) -> None:
         """An agent that arrives after the first generation formed parks here, outside torch's
-        rendezvous, until an active node is gone (its keep-alive expired and it stayed missing for
-        `_STANDBY_CONFIRM_S`); then one standby at a time joins. In torch's redundancy list it would
+        rendezvous, until an active node is gone (missing for twice the keep-alive expiry); then one
+        standby at a time joins. In torch's redundancy list it would
         join any restart round and could take the place of a healthy node that was restarting."""
         members, formed, closed = membership(self._inner)
         if not formed:
@@ -157,7 +160,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                 short_since = None
             elif short_since is None:
                 short_since = time.monotonic()
-            elif time.monotonic() - short_since >= _STANDBY_CONFIRM_S:
+            elif time.monotonic() - short_since >= self._standby_confirm_s:
                 if self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode() == self._token:
                     self._standby = True
                     return

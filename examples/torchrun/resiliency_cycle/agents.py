@@ -20,9 +20,10 @@ from lm_resiliency.integrations.torchrun import TorchrunLaunchConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODULE = "examples.torchrun.resiliency_cycle.train"
 ENTRY_POINT = "lm_resiliency.torchrun.plugin:get_rendezvous_handler_creator"
-# Keep-alive expiry (1 s x 3) is how fast the agents notice a killed node; join/last-call bounds
-# are generous because 8 agents share two cores.
-RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "600",
+# Keep-alive expiry (3 s x 5) is how fast the agents notice a killed node. Shorter, an agent
+# starved of CPU on a loaded host is dropped from a round it just completed, and the others then
+# wait for its checkpoint step until join_timeout.
+RDZV_CONF = {"keep_alive_interval": "3", "keep_alive_max_attempt": "5", "join_timeout": "600",
              "read_timeout": "120"}
 MAX_RESTARTS = 64
 

@@ -45,6 +45,12 @@ class CycleIncident:
     iterations: Optional[int] = None
     description: str = ""
 
+    @property
+    def node_loss(self) -> bool:
+        """Performed as a whole-node loss: the orchestrator kills the target's agent. A tensor
+        corruption SCOUT localizes is left to the rendezvous (which may retire the named node)."""
+        return self.expected == "replacement" and self.type is not FailureType.TENSOR_CORRUPTION
+
 
 @dataclass(frozen=True)
 class CycleCampaign:
@@ -63,7 +69,7 @@ class CycleCampaign:
             lifetime = IncidentLifetime(iterations=i.iterations) if i.iterations else IncidentLifetime()
             spec = FaultSpec(fault_id=f"{i.id}-fault", type=i.type,
                              target=FaultTarget(rank=i.slot, surface=i.surface, module_path=i.module_path),
-                             parameters=i.parameters)
+                             parameters=dict(i.parameters, x_node_loss=i.node_loss))
             incidents.append(FaultIncident(incident_id=i.id, trigger=IncidentTrigger(at=(i.step,)), faults=(spec,),
                                            lifetime=lifetime, description=i.description))
         return FaultCampaign(name=self.name, incidents=tuple(incidents), seed=2026, description=self.description)

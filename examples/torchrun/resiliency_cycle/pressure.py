@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Optional
 from . import campaign as cycle_campaign
 from . import report
 from .agents import Cluster
-from .train import NODE_LOSS
 
 
 def _json(path: str) -> Optional[Dict[str, Any]]:
@@ -97,7 +96,7 @@ def _follow_one(run: Cluster, incident: cycle_campaign.CycleIncident, row: Dict[
     generation = marker["generation"]
     row.update(injected_iteration=marker.get("iteration"), generation=generation)
     before = _generation(run, generation) or {}
-    if incident.type.value in NODE_LOSS:
+    if incident.node_loss:
         node = run.node_of_agent(before[incident.slot]["agent_pid"]) if incident.slot in before else None
         if node is None:
             raise RuntimeError(f"no live agent holds slot {incident.slot} of generation {generation}")

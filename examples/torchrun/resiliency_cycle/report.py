@@ -14,7 +14,8 @@ PERFORMED = {
                                       "names the rank and every rank ends the generation"),
     "stale_state": ("faithful", "the kit undoes the target's optimizer update of one step"),
     "drop": ("faithful", "the kit drops one batch of the target's data loader"),
-    "duplicate": ("faithful", "the kit yields one batch of the target's data loader twice"),
+    "duplicate": ("faithful", "the kit yields one batch of the target's data loader twice (the "
+                                 "generation ends before the repeat is trained on)"),
     "reorder": ("faithful", "the kit swaps two batches of the target's data loader"),
     "delay": ("faithful", "the kit stalls the target's forward"),
     "hang": ("faithful", "the kit blocks the target before its forward (bounded); the orchestrator kills the node"),

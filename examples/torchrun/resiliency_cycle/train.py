@@ -10,8 +10,8 @@ says where GEMINI flushes and which fault-kit manifest (if any) to perform:
 - `progress/g<generation>-s<slot>.json`: written when a generation starts (its restart context:
   node id, decision, selected step, topology digest);
 - `markers/<incident>.json`: written by the target rank right before the fault kit performs an
-  incident (the orchestrator's cue; for whole-node incidents the rank then waits, bounded, for
-  the orchestrator to kill its node);
+  incident (the orchestrator's cue; for whole-node incidents, `x_node_loss` in the manifest, the
+  rank then waits, bounded, for the orchestrator to kill its node);
 - `scout/<incident>-rank<r>.json`: the SCOUT verdict (from SCOUT's log record) naming the
   faulty rank of a tensor-corruption incident;
 - `final/rank<r>.json`: every parameter and optimizer tensor (hex bytes) at the last step.
@@ -38,7 +38,6 @@ from torch import nn
 
 INCIDENT_EXIT = 75
 NODE_LOSS_WAIT_S = 300.0  # a whole-node incident waits this long for the orchestrator's kill
-NODE_LOSS = ("network_partition", "message_drop", "resource_unavailable", "hang")
 GLOO_TIMEOUT_S = 120
 
 
@@ -109,7 +108,7 @@ class Incidents:
             write_json(marker, {"incident": request.incident_id, "type": kind, "rank": self.rank,
                                 "iteration": request.iteration, "generation": self.generation, "pid": os.getpid(),
                                 "t": time.time()})
-        if kind in NODE_LOSS:
+        if request.parameters.get("x_node_loss"):
             # The node is gone for its peers: the orchestrator (the manager) kills this agent.
             if kind == "hang":
                 self.local.execute(request)  # journals the hang before it blocks
