@@ -12,7 +12,7 @@ comma := ,
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: venv lint test test-slow demo bench detection clean
+.PHONY: venv lint test test-slow demo bench detection cycle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,5 +49,15 @@ bench: venv
 detection: venv
 	$(PY) -m benchmarks.detection_bench
 
+# The torchrun resiliency cycle: 8 torchrun agents on this host (4 train, 4 park as standbys) through
+# all 21 failure types, then a bitwise comparison with an uninterrupted run; report in
+# $(CYCLE_DIR)/report.md. About 23 minutes on the shared 2-core machine (docs/torchrun.md, "The resiliency cycle").
+CYCLE_DIR ?= cycle-output
+cycle: venv
+	rm -rf $(CYCLE_DIR) && mkdir -p $(CYCLE_DIR)
+	cp examples/torchrun/resiliency_cycle/campaigns/single_node_pressure.json $(CYCLE_DIR)/campaign.json
+	$(PY) -m examples.torchrun.resiliency_cycle.pressure orchestrate --framework pytorch \
+		--fault-campaign-dir $(abspath $(CYCLE_DIR)) --gpus 0,1,2,3,4,5,6,7
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info demo-output benchmarks/results
+	rm -rf $(VENV) build dist *.egg-info demo-output cycle-output benchmarks/results

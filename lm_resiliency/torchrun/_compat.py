@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Tuple
 
 
 def rendezvous_round(handler: Any) -> int:
@@ -29,3 +29,17 @@ def leave_rendezvous(handler: Any, timeout_s: float) -> None:
         raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler has no "
                            "_stop_heartbeats/_op_executor or _RendezvousExitOp (written for torch 2.13); a retired "
                            "node cannot leave the run without closing it") from exc
+
+
+def membership(handler: Any) -> Tuple[int, bool, bool]:
+    """(live agents that hold or wait for a training place, whether a round has formed, whether the
+    run is closed), from the shared rendezvous state after dropping agents whose keep-alive expired."""
+    try:
+        holder = handler._state_holder
+        holder.sync()
+        state = holder.state
+        return len(state.participants) + len(state.wait_list), bool(state.complete or state.round > 0), state.closed
+    except AttributeError as exc:
+        raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler state has no "
+                           "participants/wait_list/round/closed (written for torch 2.13); standbys cannot wait "
+                           "for a lost node") from exc

@@ -3,8 +3,10 @@
 
 * node identity from the machine id (`derive_torchrun_node_id`); two agents with one identity
   in one run fail closed;
-* the first `min_nodes` agents are active, later ones park as standbys (torch's redundancy list:
-  the inner handler admits at most `min_nodes`) until an active node leaves;
+* the first `min_nodes` agents are active; later ones park as standbys outside torch's rendezvous
+  until an active node has been missing for twice the keep-alive expiry, then join one at a time
+  (in torch's redundancy list a standby would join any restart round and could take the slot of
+  a healthy node that was only restarting its workers);
 * the worker policy digest is agreed run-wide: an agent with different policy bytes fails closed;
 * before each worker generation the agents agree on the checkpoint step it must load (the newest
   step every node's workers recorded as captured; after a fault SCOUT localized, the newest
@@ -24,16 +26,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from datetime import timedelta
 from typing import Optional
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, RendezvousHandler, RendezvousInfo,
+                                                  RendezvousParameters)
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
-from lm_resiliency.torchrun._compat import leave_rendezvous, rendezvous_round
+from lm_resiliency.torchrun._compat import leave_rendezvous, membership, rendezvous_round
 from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
                                                 check_lease, commit_placement, read_placement, run_store,
                                                 successor_for)
@@ -50,6 +54,8 @@ POLICY_OPTION = "lm_resiliency_worker_config"
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
 _NO_POLICY = "none"
 _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_STANDBY_POLL_S = 1.0
+_STANDBY_MUTEX = "standby/joining"
 
 
 class RendezvousRefused(RuntimeError):
@@ -103,6 +109,12 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._slot: Optional[int] = None
         self._generation: Optional[int] = None
         self._retired = False
+        self._standby = False
+        self.min_nodes = params.min_nodes
+        # A node must stay missing twice as long as torch takes to declare it dead: an agent that
+        # restarts its workers leaves the round and rejoins, slowly on a loaded host.
+        self._standby_confirm_s = 2.0 * float(params.get_as_int("keep_alive_interval", 5) or 5) * float(
+            params.get_as_int("keep_alive_max_attempt", 3) or 3)
         self._register()
         self._export_environment()
         logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
@@ -161,6 +173,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         elif fault is not None and self._slot in fault.slots:
             self._retire(f"SCOUT found {fault.kind} at step {fault.step} on global ranks {list(fault.ranks)} in "
                          f"generation {fault.generation}")
+        if self._slot is None:
+            self._wait_as_standby()
         info = self._inner.next_rendezvous()
         generation = rendezvous_round(self._inner)
         if self.managed and successor is None and self._after_initial(generation):
@@ -170,6 +184,30 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                                     f"rendezvous formed generation {generation}; not starting it")
         self._write_context(generation, info.rank, info.world_size, fault, successor)
         return info
+
+    def _wait_as_standby(self) -> None:
+        """An agent that arrives after the first generation formed parks here, outside torch's
+        rendezvous, until an active node is gone (missing for twice the keep-alive expiry); then one
+        standby at a time joins."""
+        members, formed, closed = membership(self._inner)
+        if not formed:
+            return
+        logger.warning("lm_resiliency rendezvous: node %s parks as a standby of run %r", self.node_id[:12], self.run_id)
+        short_since: Optional[float] = None
+        while True:
+            if closed:
+                raise RendezvousGracefulExitError(f"run {self.run_id!r} ended while node {self.node_id[:12]} was a "
+                                                  "standby")
+            if members >= self.min_nodes:
+                short_since = None
+            elif short_since is None:
+                short_since = time.monotonic()
+            elif time.monotonic() - short_since >= self._standby_confirm_s:
+                if self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode() == self._token:
+                    self._standby = True
+                    return
+            time.sleep(_STANDBY_POLL_S)
+            members, formed, closed = membership(self._inner)
 
     def _after_initial(self, generation: int) -> bool:
         if not self._store.check(["placement/initial"]):
@@ -252,6 +290,9 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         else:
             decision = "same-node restart"
         self._slot, self._generation = slot, generation
+        if self._standby:  # admitted: the next standby may join after the next loss
+            self._store.set(_STANDBY_MUTEX, "")
+            self._standby = False
         ctx.write_context(self.context_path, ctx.RestartContext(
             run_id=self.run_id, node_id=self.node_id, generation=generation, slot=slot, nodes=nodes,
             topology_digest=topology_digest(self.run_id, nodes), policy_digest=self.policy_digest,

@@ -15,21 +15,10 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
+from examples.torchrun.resiliency_cycle.agents import write_plugin as plugin_path  # noqa: F401 - re-exported
 from lm_resiliency.integrations.torchrun import TorchrunLaunchConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENTRY_POINT = "lm_resiliency.torchrun.plugin:get_rendezvous_handler_creator"
-
-
-def plugin_path(base: str) -> str:
-    """A directory holding a distribution whose `torchrun.handlers` entry point is lm_resiliency."""
-    info = os.path.join(base, "plugin", "lm_resiliency_torchrun_under_test-0.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: lm-resiliency-torchrun-under-test\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write(f"[torchrun.handlers]\nlm_resiliency = {ENTRY_POINT}\n")
-    return os.path.dirname(info)
 
 
 def machine_id_file(base: str, name: str) -> str:

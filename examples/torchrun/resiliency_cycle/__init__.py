@@ -1,0 +1,1 @@
+"""The torchrun resiliency cycle (see docs/torchrun.md, "The resiliency cycle")."""
