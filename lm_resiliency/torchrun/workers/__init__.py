@@ -1,0 +1,7 @@
+"""The built-in torchrun worker adapters, one per framework (see docs/torchrun.md, Built-in
+worker adapters); the bootstrap picks one from the framework a worker imports."""
+
+from lm_resiliency.torchrun.workers.deepspeed import DeepSpeedWorkerAdapter
+from lm_resiliency.torchrun.workers.native import NativePyTorchAdapter, NativePyTorchDDPAdapter
+
+__all__ = ["DeepSpeedWorkerAdapter", "NativePyTorchAdapter", "NativePyTorchDDPAdapter"]

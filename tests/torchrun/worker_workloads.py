@@ -1,0 +1,151 @@
+"""Training loops for tests/torchrun/test_worker_adapters.py, written as a zero-import user
+writes them (no lm_resiliency call): the worker bootstrap is started first, as the shim would."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tests.torchrun.test_bootstrap import _bootstrap
+
+
+class Stack(nn.Module):
+    """Layers registered in forward order, then a head the root's FSDP unit owns."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return self.out(x)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step * 1000 + rank))
+
+
+def _local(value):
+    return value.to_local().detach().clone() if hasattr(value, "to_local") else value.detach().clone()
+
+
+def _state(model, optimizer) -> dict:
+    state = {f"model.{k}": _local(v) for k, v in model.state_dict().items()}
+    for index, values in optimizer.state_dict()["state"].items():
+        state.update({f"optimizer.{index}.{k}": _local(v) for k, v in values.items()})
+    state["rng"] = torch.get_rng_state()
+    return state
+
+
+def _sharded(world: int, shard_root: bool = True) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Stack()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:  # bottom-up, as users shard: layers first, then the root
+        fully_shard(layer, mesh=mesh)
+    if shard_root:
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp_train(rank: int, world: int, directory: str, steps: int, selected: int = -1):
+    """FSDP2 on a 1-D mesh; `selected` >= 0: the generation the rendezvous told to load that step."""
+    bootstrap = _bootstrap(directory, rank, world, max(selected, 0), "gemini" if selected >= 0 else "none")
+    model = _sharded(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(max(selected, 0), steps):  # LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP in a real worker
+        loss = model(batch(step, rank)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    session = bootstrap.session
+    result = (session.step_count, session.recovered_from, _state(model, optimizer))
+    bootstrap.close()
+    return result
+
+
+def single_process(rank: int, world: int, directory: str, steps: int):
+    """One process: the root module whose forward runs first, with an optimizer subclass defined
+    after the bootstrap started."""
+    bootstrap = _bootstrap(directory, rank, world)
+
+    class ScaledSGD(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+            self.scale = 1.0
+
+    torch.manual_seed(0)
+    model = Stack()
+    loss_fn = nn.MSELoss()  # a second module forward each step, after the root's
+    optimizer = ScaledSGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = loss_fn(model(batch(step, rank)), torch.zeros(5, 6))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    session = bootstrap.session
+    result = (session.step_count, type(session.adapter.optimizer).__name__, session.adapter.model is model)
+    bootstrap.close()
+    return result
+
+
+def refused(rank: int, world: int, directory: str, case: str) -> str:
+    """A worker whose objects the native adapter must refuse; returns the error every rank raised."""
+    bootstrap = _bootstrap(directory, rank, world)
+    torch.manual_seed(0)
+    if case == "unsharded root":
+        model = _sharded(world, shard_root=False)
+    elif case == "no optimizer":
+        model = nn.parallel.DistributedDataParallel(Stack())
+    else:  # "no boundary": a plain model trained in a distributed job
+        model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if case != "no optimizer" else None
+    try:
+        loss = model(batch(0, rank)).sum()
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+    except Exception as exc:  # the test checks every rank's refusal
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        bootstrap.close()
+    return f"not refused (session: {bootstrap.session})"
+
+
+def double_attach(rank: int, world: int, directory: str, explicit_first: bool):
+    """User code that also calls enable_resiliency() in a worker under the worker policy."""
+    from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+
+    bootstrap = _bootstrap(directory, rank, world)
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Stack())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def explicit() -> str:
+        checkpoint = InMemoryCkptConfig(shared_memory_dir=os.path.join(directory, "explicit-shm"),
+                                        disk_folder=os.path.join(directory, "explicit"), disk_flush_interval=0)
+        try:
+            enable_resiliency(ddp, optimizer, interval=2, enable_detection=False, checkpoint=checkpoint)
+        except Exception as exc:  # the test checks the refusal
+            return f"{type(exc).__name__}: {exc}"
+        return "attached a second session"
+
+    refusal = explicit() if explicit_first else ""
+    for step in range(3):
+        if step == 2 and not explicit_first:
+            refusal = explicit()
+        loss = ddp(batch(step, rank)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    step = bootstrap.session.step_count
+    bootstrap.close()
+    return refusal, step
