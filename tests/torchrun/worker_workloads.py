@@ -149,3 +149,50 @@ def double_attach(rank: int, world: int, directory: str, explicit_first: bool):
     step = bootstrap.session.step_count
     bootstrap.close()
     return refusal, step
+
+
+def ds_train(rank: int, world: int, directory: str, steps: int, selected: int = -1, load: str = "",
+             save: str = "", stage: int = 2):
+    """A DeepSpeed ZeRO loop with no lm_resiliency call; `load`/`save`: a DeepSpeed checkpoint
+    folder to load before the first step / save after the last. Returns (step_count, recovered
+    from, engine.global_steps, the refusal of a load after the loop, final state)."""
+    from tests.frameworks.deepspeed_workloads import build_engine, final_state, init_ranks, train_step
+
+    os.environ["LM_RESILIENCY_KEEP_SHARED_MEMORY"] = "1"  # slots outlive the workers, as under torchrun
+    bootstrap = _bootstrap(directory, rank, world, max(selected, 0), "gemini" if selected >= 0 else "none")
+    init_ranks(rank)
+    engine = build_engine(stage, rank)  # deepspeed.initialize(): the adapter attaches as it returns
+    session = bootstrap.session
+    if load:
+        engine.load_checkpoint(load)
+    for step in range(int(engine.global_steps), steps):
+        train_step(engine, step, rank)
+    if save:
+        engine.save_checkpoint(save)
+    refusal = ""
+    if session.recovered_from == "gemini":
+        try:
+            engine.load_checkpoint(os.path.join(directory, "ds"))
+        except Exception as exc:  # the test checks the refusal
+            refusal = f"{type(exc).__name__}: {exc}"
+    result = (session.step_count, session.recovered_from, int(engine.global_steps), refusal,
+              final_state(engine, stage, {}))
+    engine.destroy()  # DeepSpeed's teardown: the adapter closes the session first
+    assert bootstrap.session is None
+    return result
+
+
+def ds_without_optimizer(rank: int, world: int, directory: str) -> str:
+    from tests.frameworks.deepspeed_workloads import Net, ds_config, init_ranks
+
+    import deepspeed
+
+    bootstrap = _bootstrap(directory, rank, world)
+    init_ranks(rank)
+    try:
+        deepspeed.initialize(model=Net(), config=ds_config(0, optimizer=False))
+    except Exception as exc:  # the test checks every rank's refusal
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        bootstrap.close()
+    return "not refused"
