@@ -5,11 +5,12 @@ generation. See docs/torchrun.md."""
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.launch import TorchrunLaunchConfig
 from lm_resiliency.torchrun.plugin import create_rendezvous_handler, get_rendezvous_handler_creator
-from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter, NativePyTorchDDPAdapter
+from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, NativePyTorchAdapter, NativePyTorchDDPAdapter,
+                                            TorchTitanWorkerAdapter)
 from lm_resiliency.torchrun.worker import (TorchrunWorkerAdapter, TorchrunWorkerAdapterError, TorchrunWorkerContext,
                                            get_torchrun_worker_context)
 
 __all__ = ["create_rendezvous_handler", "get_rendezvous_handler_creator", "derive_torchrun_node_id",
            "TorchrunWorkerAdapter", "TorchrunWorkerAdapterError", "TorchrunWorkerContext",
            "get_torchrun_worker_context", "TorchrunLaunchConfig", "NativePyTorchAdapter", "NativePyTorchDDPAdapter",
-           "DeepSpeedWorkerAdapter"]
+           "DeepSpeedWorkerAdapter", "TorchTitanWorkerAdapter"]

@@ -29,7 +29,7 @@ from lm_resiliency.torchrun.imports import HIGHER_LEVEL, watch_frameworks, when_
 from lm_resiliency.torchrun.policy import WorkerPolicy
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
-from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter
+from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter, TorchTitanWorkerAdapter
 from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, load_policy
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ _SESSION_MODULE = "lm_resiliency.session"
 
 # The built-in adapter of each framework ("pytorch": tentative until a higher-level one is imported).
 WORKER_ADAPTERS: Dict[str, Callable[[TorchrunWorkerContext, WorkerPolicy], BuiltInWorkerAdapter]] = {
-    "pytorch": NativePyTorchAdapter, "deepspeed": DeepSpeedWorkerAdapter}
+    "pytorch": NativePyTorchAdapter, "deepspeed": DeepSpeedWorkerAdapter, "torchtitan": TorchTitanWorkerAdapter}
 
 
 class WorkerBootstrap:

@@ -75,12 +75,39 @@ def when_imported(name: str, callback: Callable[[Any], None]) -> None:
         _watch().after.setdefault(name, []).append(callback)
 
 
-def after_init(cls: Any, callback: Callable[[Any], None]) -> None:
-    """Call `callback(obj)` after every `cls(...)` construction, subclasses' included."""
-    original = cls.__init__
+def after_construction(cls: Any, callback: Callable[[Any], None]) -> None:
+    """Call `callback(obj)` once each `cls` object is constructed: when its outermost __init__
+    returns. Subclasses created from now on are instrumented when the class is created, so their
+    own __init__ (run around the base's) is included."""
+    depth: Dict[int, int] = {}
 
-    def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
-        original(obj, *args, **kwargs)
-        callback(obj)
+    def wrap(klass: Any) -> None:
+        original = klass.__dict__["__init__"]
 
-    cls.__init__ = __init__
+        def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
+            key = id(obj)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(obj, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                outermost = depth[key] == 0
+                if outermost:
+                    del depth[key]
+            if outermost:
+                callback(obj)
+
+        klass.__init__ = __init__
+
+    wrap(cls)
+    hook = cls.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(sub: Any, **kwargs: Any) -> None:
+        if hook is not None:
+            hook.__func__(sub, **kwargs)
+        else:
+            super(cls, sub).__init_subclass__(**kwargs)
+        if "__init__" in sub.__dict__:
+            wrap(sub)
+
+    cls.__init_subclass__ = classmethod(__init_subclass__)

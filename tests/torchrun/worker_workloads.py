@@ -196,3 +196,25 @@ def ds_without_optimizer(rank: int, world: int, directory: str) -> str:
     finally:
         bootstrap.close()
     return "not refused"
+
+
+def titan_train(rank: int, world: int, directory: str, steps: int, selected: int = -1):
+    """TorchTitan's real Trainer (CPU patches, debug model, FSDP over all ranks), built and trained
+    as train.py does; nothing calls lm_resiliency. Returns (first step trained, step_count,
+    recovered from, final state)."""
+    from tests.frameworks import torchtitan_cpu
+    from tests.frameworks.torchtitan_workloads import final_state
+
+    os.environ["LM_RESILIENCY_KEEP_SHARED_MEMORY"] = "1"
+    bootstrap = _bootstrap(directory, rank, world, max(selected, 0), "gemini" if selected >= 0 else "none")
+    torchtitan_cpu.apply()  # imports torchtitan: the TorchTitan worker adapter takes over
+    config = torchtitan_cpu.debug_config(os.path.join(directory, "assets"), os.path.join(directory, "dump"),
+                                         steps=steps)
+    trainer = config.build()  # the adapter attaches as the Trainer's construction finishes
+    first = trainer.step + 1
+    trainer.train()
+    session = bootstrap.session
+    result = (first, session.step_count, session.recovered_from, final_state(trainer))
+    trainer.close()  # TorchTitan's teardown: the session closes first
+    assert bootstrap.session is None
+    return result

@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-from lm_resiliency.torchrun.imports import after_init, when_imported
+from lm_resiliency.torchrun.imports import after_construction, when_imported
 from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, agree
 from lm_resiliency.torchrun.worker import TorchrunWorkerAdapterError
 
@@ -31,22 +31,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _instrument_subclasses(optimizer_cls: Any, callback: Any) -> None:
-    """Optimizer subclasses created from now on report each finished construction (their own
-    __init__ included, not just the base's)."""
-    original = optimizer_cls.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls: Any, **kwargs: Any) -> None:
-        if original is not None:
-            original.__func__(cls, **kwargs)
-        else:
-            super(optimizer_cls, cls).__init_subclass__(**kwargs)
-        if "__init__" in cls.__dict__:
-            after_init(cls, callback)
-
-    optimizer_cls.__init_subclass__ = classmethod(__init_subclass__)
-
-
 class NativePyTorchDDPAdapter(BuiltInWorkerAdapter):
     """Attaches at the first forward of the one DistributedDataParallel model, with its one optimizer."""
 
@@ -60,7 +44,7 @@ class NativePyTorchDDPAdapter(BuiltInWorkerAdapter):
 
     def install(self, context: Any) -> None:
         super().install(context)
-        when_imported(_DDP_MODULE, lambda module: after_init(module.DistributedDataParallel, self._note_model))
+        when_imported(_DDP_MODULE, lambda module: after_construction(module.DistributedDataParallel, self._note_model))
         when_imported(_OPTIM_MODULE, self._patch_optimizer)
         when_imported(_MODULE_MODULE, self._hook_forwards)
 
@@ -79,8 +63,7 @@ class NativePyTorchDDPAdapter(BuiltInWorkerAdapter):
             self.optimizers.add(optimizer)
 
     def _patch_optimizer(self, module: Any) -> None:
-        after_init(module.Optimizer, self._note_optimizer)
-        _instrument_subclasses(module.Optimizer, self._note_optimizer)
+        after_construction(module.Optimizer, self._note_optimizer)
         self._handles.append(module.register_optimizer_step_pre_hook(self._before_any_step))
 
     def _hook_forwards(self, module: Any) -> None:
