@@ -9,7 +9,7 @@ the rendezvous has `lm_resiliency_worker_config`).
    frameworks fail the second import.
 3. The adapter attaches at its framework's construction boundary and recovers exactly the
    selected step (or fails closed); see lm_resiliency/torchrun/workers/.
-4. Refuses a second attach: under the worker policy, a session built by user code
+4. Refuses a second attach: with a built-in adapter, a session built by user code
    (`enable_resiliency()`, a framework callback or plugin) raises.
 5. Records each completely captured step for the agent; closes the session when the default
    process group is destroyed (before it is), or at exit.
@@ -62,11 +62,12 @@ class WorkerBootstrap:
 
     def install(self) -> None:
         when_imported(_DIST_MODULE, self._patch_dist)
-        when_imported(_SESSION_MODULE, self._guard_sessions)
         if self.policy.adapter is not None:
             self._install_custom(self.policy.adapter)
         else:
             self._use("pytorch")
+        if self.adapter is not None:  # a custom stack's own adapter may attach however it needs to
+            when_imported(_SESSION_MODULE, self._guard_sessions)
         for name in watch_frameworks(self._note_framework):
             self._note_framework(name)
 

@@ -5,7 +5,10 @@ the refusal of a second, explicit attach."""
 from __future__ import annotations
 
 import json
+import os
+import uuid
 
+import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -73,3 +76,32 @@ def test_an_explicit_enable_resiliency_is_refused_after_the_worker_adapter_attac
     for refusal, step in run_ranks(_workload("double_attach"), 2, str(tmp_path), False, timeout=180):
         assert "an explicit enable_resiliency(), ResiliencyCallback or plugin would attach a second session" in refusal
         assert step == 3
+
+
+@pytest.mark.slow  # two real torchrun runs of 3 workers (a few minutes on 2 busy cores)
+def test_fsdp2_module_under_torchrun_restarts_on_the_last_capture_bitwise(tmp_path):
+    """One agent, 3 FSDP2 workers of a module that never imports lm_resiliency; rank 1 SIGKILLed
+    after step 7 (captures every 2): the next generation resumes at 6 and ends bitwise equal, shard
+    by shard, to an uninterrupted run."""
+    from tests.torchrun.test_torchrun_recovery import _run
+
+    base = str(tmp_path)
+    outs = {name: os.path.join(base, name) for name in ("killed", "clean")}
+    for out in outs.values():
+        os.makedirs(out)
+    killed = _run(base, "killed", 500, run_id=f"fsdp-kill-{uuid.uuid4().hex[:8]}", max_restarts=2,
+                  module="tests.torchrun.fsdp_module", args=[outs["killed"], "10", "1", "7"])
+    assert killed.returncode == 0, killed.stdout[-8000:]
+    assert "at step 6 from memory (pytorch/fsdp2)" in killed.stdout
+    clean = _run(base, "clean", 400, run_id=f"fsdp-clean-{uuid.uuid4().hex[:8]}",
+                 module="tests.torchrun.fsdp_module", args=[outs["clean"], "10"])
+    assert clean.returncode == 0, clean.stdout[-8000:]
+    for rank in range(3):
+        with open(os.path.join(outs["killed"], f"final-1-{rank}.json")) as f:
+            resumed = json.load(f)
+        with open(os.path.join(outs["clean"], f"final-0-{rank}.json")) as f:
+            baseline = json.load(f)
+        assert (resumed["start"], baseline["start"]) == (6, 0)
+        assert resumed["tensors"].keys() == baseline["tensors"].keys() and len(baseline["tensors"]) == 16
+        different = [n for n in baseline["tensors"] if resumed["tensors"][n] != baseline["tensors"][n]]
+        assert not different, f"rank {rank} not bitwise equal after the restart: {different}"

@@ -23,7 +23,7 @@ def _env():
 
 
 @pytest.mark.slow  # about 9 minutes on 2 busy cores: two 3-rank TorchTitan runs
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_trainer_worker_recovers_exactly_the_selected_step_bitwise(tmp_path):
     first = run_ranks(titan_train, 3, str(tmp_path), 4, timeout=900, init=False, env=_env())
     assert [row[:3] for row in first] == [(1, 4, None)] * 3

@@ -8,26 +8,12 @@ import os
 import torch
 from torch import nn
 
+from tests.distributed.session_workloads import Stack
 from tests.torchrun.test_bootstrap import _bootstrap
 
 
-class Stack(nn.Module):
-    """Layers registered in forward order, then a head the root's FSDP unit owns."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
-        self.drop = nn.Dropout(0.1)
-        self.out = nn.Linear(6, 6)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = self.drop(torch.tanh(layer(x)))
-        return self.out(x)
-
-
 def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step * 1000 + rank))
+    return torch.randn(5, 16, generator=torch.Generator().manual_seed(step * 1000 + rank))
 
 
 def _local(value):
@@ -87,7 +73,7 @@ def single_process(rank: int, world: int, directory: str, steps: int):
     loss_fn = nn.MSELoss()  # a second module forward each step, after the root's
     optimizer = ScaledSGD(model.parameters(), lr=0.1)
     for step in range(steps):
-        loss = loss_fn(model(batch(step, rank)), torch.zeros(5, 6))
+        loss = loss_fn(model(batch(step, rank)), torch.zeros(5, 16))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
