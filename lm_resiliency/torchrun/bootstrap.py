@@ -17,6 +17,7 @@ the rendezvous has `lm_resiliency_worker_config`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -30,7 +31,7 @@ from lm_resiliency.torchrun.policy import WorkerPolicy
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
 from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter, TorchTitanWorkerAdapter
-from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, load_policy
+from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, gather, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +116,38 @@ class WorkerBootstrap:
     # ------------------------------------------------------------------ hooks
 
     def _patch_dist(self, module: Any) -> None:
-        original = module.destroy_process_group
+        destroy, init = module.destroy_process_group, module.init_process_group
         bootstrap = self
 
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            bootstrap.close()  # before the groups the session uses are gone
-            return original(*args, **kwargs)
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None or group is module.GroupMember.WORLD:
+                bootstrap.close()  # before the groups the session uses are gone
+            return destroy(group)
 
-        module.destroy_process_group = destroy_process_group
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            result = init(*args, **kwargs)
+            bootstrap._agree_on_framework()
+            return result
+
         dist: Any = sys.modules.get("torch.distributed")
-        if dist is not None and getattr(dist, "destroy_process_group", None) is original:
-            dist.destroy_process_group = destroy_process_group
+        for name, original, replacement in (("destroy_process_group", destroy, destroy_process_group),
+                                            ("init_process_group", init, init_process_group)):
+            setattr(module, name, functools.wraps(original)(replacement))
+            if dist is not None and getattr(dist, name, None) is original:
+                setattr(dist, name, getattr(module, name))
+
+    def _agree_on_framework(self) -> None:
+        """Once the default group is up, before any built-in adapter's attach collectives: every
+        rank inferred the same framework (a rank that imported another one would wait in a
+        different attach boundary)."""
+        if not isinstance(self.adapter, BuiltInWorkerAdapter):
+            return  # a custom stack's adapter owns its discovery
+        names = gather(self.adapter.name)
+        if len(set(names)) > 1:
+            raise TorchrunWorkerAdapterError(
+                f"{PREFIX}the ranks inferred different training frameworks when the default process group "
+                "initialized (" + "; ".join(f"rank {rank}: {name}" for rank, name in enumerate(names)) + "). "
+                "Every worker must import the same framework before init_process_group()")
 
     def _guard_sessions(self, module: Any) -> None:
         """Sessions are built only by this worker's adapter: user code that also attaches

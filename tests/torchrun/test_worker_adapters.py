@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import uuid
 
 import pytest
@@ -105,3 +106,14 @@ def test_fsdp2_module_under_torchrun_restarts_on_the_last_capture_bitwise(tmp_pa
         assert resumed["tensors"].keys() == baseline["tensors"].keys() and len(baseline["tensors"]) == 16
         different = [n for n in baseline["tensors"] if resumed["tensors"][n] != baseline["tensors"][n]]
         assert not different, f"rank {rank} not bitwise equal after the restart: {different}"
+
+
+def test_ranks_that_inferred_different_frameworks_fail_closed_when_the_group_initializes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(s.getsockname()[1])}
+    for result in run_ranks(_workload("frameworks_differ"), 2, str(tmp_path), timeout=120, init=False, env=env):
+        assert result == ("TorchrunWorkerAdapterError: lm-resiliency torchrun worker: the ranks inferred different "
+                          "training frameworks when the default process group initialized (rank 0: native PyTorch; "
+                          "rank 1: TorchTitan). Every worker must import the same framework before "
+                          "init_process_group()")

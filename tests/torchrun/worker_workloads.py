@@ -204,3 +204,19 @@ def titan_train(rank: int, world: int, directory: str, steps: int, selected: int
     trainer.close()  # TorchTitan's teardown: the session closes first
     assert bootstrap.session is None
     return result
+
+
+def frameworks_differ(rank: int, world: int, directory: str) -> str:
+    """Rank 1 imports TorchTitan, rank 0 does not; then the default process group initializes."""
+    import torch.distributed as dist
+
+    bootstrap = _bootstrap(directory, rank, world)
+    if rank == 1:
+        import torchtitan  # noqa: F401
+    try:
+        dist.init_process_group("gloo")
+    except Exception as exc:  # the test checks every rank's refusal
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        bootstrap.close()
+    return "not refused"

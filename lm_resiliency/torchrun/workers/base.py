@@ -4,6 +4,7 @@ record for the agent, and close at teardown."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
@@ -39,21 +40,26 @@ def load_policy(context: TorchrunWorkerContext, environ: Optional[Mapping[str, s
     return policy
 
 
-def agree(problem: str, what: str) -> None:
-    """Collective when a process group is up: every rank reports its local problem ("" when it
-    has none); all of them raise the same error if any rank has one."""
+def gather(value: Any) -> List[Any]:
+    """Collective when a process group is up: every rank's JSON `value`, by rank, over a
+    temporary gloo group (so it does not depend on the application's backend or devices)."""
     import torch.distributed as dist
 
     from lm_resiliency import wire
 
-    problems = [problem]
-    if dist.is_available() and dist.is_initialized():
-        group = wire.new_group(None, AGREE_TIMEOUT_S, "the torchrun worker agreement group")
-        try:
-            problems = wire.all_gather_json(problem, group)
-        finally:
-            dist.destroy_process_group(group)
-    bad = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text]
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    group = wire.new_group(None, AGREE_TIMEOUT_S, "the torchrun worker agreement group")
+    try:
+        return wire.all_gather_json(value, group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def agree(problem: str, what: str) -> None:
+    """Collective when a process group is up: every rank reports its local problem ("" when it
+    has none); all of them raise the same error if any rank has one."""
+    bad = [f"rank {rank}: {text}" for rank, text in enumerate(gather(problem)) if text]
     if bad:
         raise TorchrunWorkerAdapterError(f"{PREFIX}not attaching ({what}): " + "; ".join(bad))
 
@@ -125,6 +131,20 @@ class BuiltInWorkerAdapter:
         """After each optimizer step: let the bootstrap record the newest complete capture."""
         if self.on_step is not None:
             self.on_step()
+
+    def release_at(self, owner: Any, name: str) -> None:
+        """Wrap `owner.<name>`, the framework's teardown (where the session's own hooks close it),
+        so that this adapter lets go of the closed session too."""
+        teardown = getattr(owner, name)
+
+        @functools.wraps(teardown)
+        def released(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return teardown(*args, **kwargs)
+            finally:
+                self.session = None
+
+        setattr(owner, name, released)
 
     def close(self) -> None:
         session, self.session = self.session, None

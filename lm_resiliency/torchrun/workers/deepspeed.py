@@ -76,3 +76,4 @@ class DeepSpeedWorkerAdapter(BuiltInWorkerAdapter):
             return load(*args, **kwargs)
 
         engine.step, engine.load_checkpoint = stepped, load_checkpoint
+        self.release_at(engine, "destroy")

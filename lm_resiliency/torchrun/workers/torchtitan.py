@@ -48,3 +48,4 @@ class TorchTitanWorkerAdapter(BuiltInWorkerAdapter):
             return result
 
         checkpointer.save = saved
+        self.release_at(checkpointer, "close")
