@@ -3,85 +3,45 @@ the rendezvous has `lm_resiliency_worker_config`).
 
 1. Reads the agent's restart context and revalidates the policy digest agreed at rendezvous;
    publishes the selected step as LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP.
-2. Watches imports: a second higher-level framework (DeepSpeed, TorchTitan, Megatron Core) fails
-   the import; a custom `adapter = "package.module:factory"` is installed at once.
-3. Native PyTorch DDP: records DistributedDataParallel and optimizer construction; at the first
-   DDP forward every rank checks it owns exactly one DDP model and one optimizer that owns all its
-   trainable parameters, the ranks agree, and only then `attach` runs and recovers exactly the
-   selected step (or fails closed).
-4. Records each completely captured step for the agent; closes the session when the default
+2. Installs one worker adapter: a custom `adapter = "package.module:factory"` at once; otherwise
+   the native PyTorch one (tentative: every framework imports torch), replaced by the built-in
+   adapter of the higher-level framework the worker imports (`WORKER_ADAPTERS`). Two higher-level
+   frameworks fail the second import.
+3. The adapter attaches at its framework's construction boundary and recovers exactly the
+   selected step (or fails closed); see lm_resiliency/torchrun/workers/.
+4. Refuses a second attach: with a built-in adapter, a session built by user code
+   (`enable_resiliency()`, a framework callback or plugin) raises.
+5. Records each completely captured step for the agent; closes the session when the default
    process group is destroyed (before it is), or at exit.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.abc
 import logging
 import os
 import sys
-import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from lm_resiliency.torchrun import context as ctx
-from lm_resiliency.torchrun.context import POLICY_DIGEST_ENV, POLICY_ENV
-from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
-from lm_resiliency.torchrun.retirement import FaultWatch, require_verified_step
+from lm_resiliency.torchrun.context import POLICY_ENV
+from lm_resiliency.torchrun.imports import HIGHER_LEVEL, watch_frameworks, when_imported
+from lm_resiliency.torchrun.policy import WorkerPolicy
+from lm_resiliency.torchrun.retirement import FaultWatch
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
+from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter, TorchTitanWorkerAdapter
+from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, gather, load_policy
 
 logger = logging.getLogger(__name__)
 
-HIGHER_LEVEL = {"deepspeed": "DeepSpeed", "torchtitan": "TorchTitan", "megatron": "Megatron Core"}
-_DDP_MODULE = "torch.nn.parallel.distributed"
-_OPTIM_MODULE = "torch.optim.optimizer"
 _DIST_MODULE = "torch.distributed.distributed_c10d"
-_AGREE_TIMEOUT_S = 300.0
+_SESSION_MODULE = "lm_resiliency.session"
 
-
-class _ImportWatch(importlib.abc.MetaPathFinder):
-    """Notes higher-level framework imports and runs a callback after chosen modules execute."""
-
-    def __init__(self, on_framework: Callable[[str], None], after: Dict[str, Callable[[Any], None]]) -> None:
-        self.on_framework = on_framework
-        self.after = after
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name in HIGHER_LEVEL:
-            self.on_framework(name)
-        callback = self.after.get(name)
-        if callback is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]  # this loader instance only
-        return spec
-
-
-def _after_init(cls: Any, callback: Callable[[Any], None]) -> None:
-    """Call `callback(obj)` after every `cls(...)` construction, subclasses' included."""
-    original = cls.__init__
-
-    def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
-        original(obj, *args, **kwargs)
-        callback(obj)
-
-    cls.__init__ = __init__
+# The built-in adapter of each framework ("pytorch": tentative until a higher-level one is imported).
+WORKER_ADAPTERS: Dict[str, Callable[[TorchrunWorkerContext, WorkerPolicy], BuiltInWorkerAdapter]] = {
+    "pytorch": NativePyTorchAdapter, "deepspeed": DeepSpeedWorkerAdapter, "torchtitan": TorchTitanWorkerAdapter}
 
 
 class WorkerBootstrap:
@@ -91,31 +51,43 @@ class WorkerBootstrap:
         self.context = context
         self.policy = policy
         self.frameworks: List[str] = []
-        self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self.optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self.session: Any = None
-        self._hooks: List[Any] = []
-        self._attached = False
+        self.adapter: Any = None
         self._recorded = (-1, -1)
         self._custom: Any = None
         self._faults = FaultWatch(context.run_id, context.generation, os.path.dirname(context.context_path),
                                   context.local_rank, context.local_world_size)
 
+    @property
+    def session(self) -> Any:
+        """The attached session (None before the adapter attaches, and after close)."""
+        return getattr(self.adapter, "session", None)
+
     # ----------------------------------------------------------------- imports
 
     def install(self) -> None:
-        after: Dict[str, Callable[[Any], None]] = {
-            _DDP_MODULE: self._patch_ddp, _OPTIM_MODULE: self._patch_optimizer, _DIST_MODULE: self._patch_dist}
-        for name in list(HIGHER_LEVEL):
-            if name in sys.modules:
-                self._note_framework(name)
-        for name, patch in list(after.items()):
-            if name in sys.modules:  # torch was imported before the bootstrap (another sitecustomize)
-                patch(sys.modules[name])
-                del after[name]
-        sys.meta_path.insert(0, _ImportWatch(self._note_framework, after))
+        when_imported(_DIST_MODULE, self._patch_dist)
         if self.policy.adapter is not None:
             self._install_custom(self.policy.adapter)
+        else:
+            self._use("pytorch")
+        if self.adapter is not None:  # a custom stack's own adapter may attach however it needs to
+            when_imported(_SESSION_MODULE, self._guard_sessions)
+        for name in watch_frameworks(self._note_framework):
+            self._note_framework(name)
+
+    def _use(self, framework: str) -> None:
+        factory = WORKER_ADAPTERS.get(framework)
+        if factory is None:
+            raise TorchrunWorkerAdapterError(
+                f"{PREFIX}{HIGHER_LEVEL[framework]} was imported, and its built-in worker adapter is not available "
+                "in this release. Set adapter = \"package.module:factory\" in the worker policy, or drop "
+                "lm_resiliency_worker_config and call enable_resiliency() explicitly")
+        if self.adapter is not None:
+            self.adapter.deactivate(f"{HIGHER_LEVEL[framework]} was imported")
+        adapter = factory(self.context, self.policy)
+        adapter.on_step, adapter.fault_callback = self._record, self._faults.on_replay_result
+        self.adapter = adapter
+        adapter.install(self.context)
 
     def _note_framework(self, name: str) -> None:
         if name in self.frameworks:
@@ -124,14 +96,11 @@ class WorkerBootstrap:
         if len(self.frameworks) > 1:
             names = " and ".join(HIGHER_LEVEL[n] for n in self.frameworks)
             raise TorchrunWorkerAdapterError(
-                f"lm-resiliency torchrun worker: {names} are both imported; the worker adapter is chosen from the "
-                "one higher-level framework a worker uses and is never picked arbitrarily. Import one, or set "
+                f"{PREFIX}{names} are both imported; the worker adapter is chosen from the one higher-level "
+                "framework a worker uses and is never picked arbitrarily. Import one, or set "
                 "adapter = \"package.module:factory\" in the worker policy")
-        if self.policy.adapter is None:
-            raise TorchrunWorkerAdapterError(
-                f"lm-resiliency torchrun worker: {HIGHER_LEVEL[name]} was imported, and its built-in worker adapter "
-                "is not available in this release. Set adapter = \"package.module:factory\" in the worker policy, "
-                "or drop lm_resiliency_worker_config and call enable_resiliency() explicitly")
+        if self._custom is None:
+            self._use(name)
 
     def _install_custom(self, spec: str) -> None:
         module_name, _, attr = spec.partition(":")
@@ -142,96 +111,63 @@ class WorkerBootstrap:
         if not callable(getattr(self._custom, "install", None)):
             raise TorchrunWorkerAdapterError(f"worker policy adapter {spec!r}: the factory's result has no "
                                              "install(context) method")
+        if isinstance(self._custom, BuiltInWorkerAdapter):  # a built-in named as the factory
+            self._custom.on_step, self._custom.fault_callback = self._record, self._faults.on_replay_result
+            self.adapter = self._custom
         self._custom.install(self.context)
 
-    # -------------------------------------------------------- construction hooks
-
-    def _patch_ddp(self, module: Any) -> None:
-        _after_init(module.DistributedDataParallel, self._note_model)
-
-    def _patch_optimizer(self, module: Any) -> None:
-        _after_init(module.Optimizer, self.optimizers.add)
+    # ------------------------------------------------------------------ hooks
 
     def _patch_dist(self, module: Any) -> None:
-        original = module.destroy_process_group
+        destroy, init = module.destroy_process_group, module.init_process_group
         bootstrap = self
 
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            bootstrap.close()  # before the groups the session uses are gone
-            return original(*args, **kwargs)
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None or group is module.GroupMember.WORLD:
+                bootstrap.close()  # before the groups the session uses are gone
+            return destroy(group)
 
-        module.destroy_process_group = destroy_process_group
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            result = init(*args, **kwargs)
+            bootstrap._agree_on_framework()
+            return result
+
         dist: Any = sys.modules.get("torch.distributed")
-        if dist is not None and getattr(dist, "destroy_process_group", None) is original:
-            dist.destroy_process_group = destroy_process_group
+        for name, original, replacement in (("destroy_process_group", destroy, destroy_process_group),
+                                            ("init_process_group", init, init_process_group)):
+            setattr(module, name, functools.wraps(original)(replacement))
+            if dist is not None and getattr(dist, name, None) is original:
+                setattr(dist, name, getattr(module, name))
 
-    def _note_model(self, ddp: Any) -> None:
-        if self._custom is not None or self._attached:
-            return
-        self.models.add(ddp)
-        self._hooks.append(ddp.register_forward_pre_hook(lambda module, args: self._attach(module), prepend=True))
-
-    # ------------------------------------------------------------------ attach
-
-    def _local_problem(self, ddp: Any) -> str:
-        from lm_resiliency.adapters.pytorch import check_optimizer_owns_model, unwrap_model
-
-        if self.frameworks:
-            return f"{HIGHER_LEVEL[self.frameworks[0]]} is imported next to a plain DDP model"
-        if len(self.models) != 1:
-            return f"{len(self.models)} DistributedDataParallel models exist; the worker adapter needs exactly one"
-        optimizers = list(self.optimizers)
-        if len(optimizers) != 1:
-            return f"{len(optimizers)} optimizers exist; the worker adapter needs exactly one for the DDP model"
-        try:
-            check_optimizer_owns_model(unwrap_model(ddp), optimizers[0])
-        except ValueError as exc:
-            return str(exc)
-        return ""
-
-    def _attach(self, ddp: Any) -> None:
-        if self._attached:
-            return
-        self._attached = True
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        from lm_resiliency import wire
-
-        problem = self._local_problem(ddp)
-        group = wire.new_group(None, _AGREE_TIMEOUT_S, "the torchrun worker agreement group")
-        try:
-            problems = wire.all_gather_json(problem, group)
-        finally:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(group)
-        bad = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text]
-        if bad:
-            raise TorchrunWorkerAdapterError("lm-resiliency torchrun worker: not attaching (every rank must own "
-                                             "exactly one DDP model and its one optimizer): " + "; ".join(bad))
-        self._start_session(ddp, list(self.optimizers)[0])
-
-    def _start_session(self, ddp: Any, optimizer: Any) -> None:
-        from lm_resiliency.adapters.pytorch import PyTorchAdapter
-        from lm_resiliency.attach import AttachOptions, attach
-
-        options = AttachOptions(caller=f"worker policy {self.policy.path}",
-                                fault_callback=self._faults.on_replay_result, **self.policy.arguments)
-        adapter = PyTorchAdapter(ddp, optimizer, skip_replication_if_hsdp=options.config.skip_replication_if_hsdp)
-        context = self.context
-        selected = context.checkpoint_step if context.checkpoint_source == "gemini" else None
-        self.session = attach(adapter, options, recover=lambda session: self._recover(session, selected))
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._record())
-
-    def _recover(self, session: Any, selected: Optional[int]) -> None:
-        require_verified_step(session, self.context)
-        step = session.recover(step=selected)
-        if selected is None and step is not None:
+    def _agree_on_framework(self) -> None:
+        """Once the default group is up, before any built-in adapter's attach collectives: every
+        rank inferred the same framework (a rank that imported another one would wait in a
+        different attach boundary)."""
+        if not isinstance(self.adapter, BuiltInWorkerAdapter):
+            return  # a custom stack's adapter owns its discovery
+        names = gather(self.adapter.name)
+        if len(set(names)) > 1:
             raise TorchrunWorkerAdapterError(
-                f"lm-resiliency torchrun worker: GEMINI resumed step {step} of run {self.context.run_id!r}, but the "
-                "rendezvous selected a fresh start (no node recorded a capture); refusing to continue from state "
-                "the agents do not know about. Use a new --rdzv-id, or remove that run's GEMINI state")
+                f"{PREFIX}the ranks inferred different training frameworks when the default process group "
+                "initialized (" + "; ".join(f"rank {rank}: {name}" for rank, name in enumerate(names)) + "). "
+                "Every worker must import the same framework before init_process_group()")
+
+    def _guard_sessions(self, module: Any) -> None:
+        """Sessions are built only by this worker's adapter: user code that also attaches
+        (enable_resiliency, a callback or plugin) would put two sessions on the same state."""
+        original = module.ResiliencySession.__init__
+        policy = self.policy.path
+
+        def __init__(session: Any, *args: Any, **kwargs: Any) -> None:
+            if not attaching():
+                raise TorchrunWorkerAdapterError(
+                    f"{PREFIX}this worker runs under the worker policy {policy} (lm_resiliency_worker_config), "
+                    "which attaches lm-resiliency automatically; an explicit enable_resiliency(), "
+                    "ResiliencyCallback or plugin would attach a second session to the same training state. "
+                    "Remove the explicit call, or drop lm_resiliency_worker_config from --rdzv-conf")
+            original(session, *args, **kwargs)
+
+        module.ResiliencySession.__init__ = __init__
 
     def _record(self) -> None:
         """After each optimizer step: the newest captured and RECOVERY_VERIFIED steps for the agent,
@@ -249,9 +185,8 @@ class WorkerBootstrap:
         self._faults.after_step(session)
 
     def close(self) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            session.close()
+        if self.adapter is not None:
+            self.adapter.close()
 
 
 _BOOTSTRAP: Optional[WorkerBootstrap] = None
@@ -267,10 +202,7 @@ def start(environ: Optional[Dict[str, str]] = None) -> Optional[WorkerBootstrap]
     env[BOOTSTRAP_ENV] = str(os.getpid())
     try:
         context = load_worker_context(env)
-        policy = parse_policy(env[POLICY_ENV], read_policy_bytes(env[POLICY_ENV]), env.get(POLICY_DIGEST_ENV) or "-")
-        if context.policy_digest != policy.digest:
-            raise TorchrunWorkerAdapterError(f"worker policy digest {policy.digest[:12]} is not the one this "
-                                             f"generation was started with ({str(context.policy_digest)[:12]})")
+        policy = load_policy(context, env)
         env[CHECKPOINT_STEP_ENV] = str(context.checkpoint_step)
         bootstrap = WorkerBootstrap(context, policy)
         bootstrap.install()
