@@ -1,0 +1,37 @@
+"""MegatronWorkerAdapter on a real Megatron Core GPT (parallel_state, Megatron DDP,
+get_megatron_optimizer, OptimizerParamScheduler) over gloo with the CPU fixture of
+tests/frameworks/megatron_cpu.py, the bootstrap driven as the shim drives it: attach at
+get_megatron_optimizer()'s return, exact recovery of the selected step (the scheduler built
+afterwards included), and one optimizer per worker."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.distributed.gemini_workloads import assert_same  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+from tests.torchrun.megatron_worker_workloads import megatron_second_optimizer, megatron_train  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240, func_only=True)
+
+
+def test_fresh_start_then_the_selected_step_recovered_bitwise(tmp_path):
+    directory = str(tmp_path)
+    first = run_ranks(megatron_train, 3, directory, 6, timeout=200)
+    for count, source, _ in first:
+        assert (count, source) == (6, None)
+    second = run_ranks(megatron_train, 3, directory, 6, 4, timeout=200)
+    for rank in range(3):
+        count, source, state = second[rank]
+        assert (count, source) == (6, "gemini")
+        assert state["scheduler"]["num_steps"] == 6
+        assert_same(state, first[rank][2])
+
+
+def test_a_second_get_megatron_optimizer_fails_closed_on_every_rank(tmp_path):
+    for result in run_ranks(megatron_second_optimizer, 3, str(tmp_path), timeout=200):
+        assert result == ("TorchrunWorkerAdapterError: lm-resiliency torchrun worker: get_megatron_optimizer() was "
+                          "called a second time; the built-in Megatron Core adapter attaches to the one optimizer of "
+                          "a worker. Set adapter = \"package.module:factory\" for several optimizers")
