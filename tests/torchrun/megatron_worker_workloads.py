@@ -44,3 +44,19 @@ def megatron_second_optimizer(rank: int, world: int, directory: str) -> str:
     finally:
         bootstrap.close()
     return "not refused"
+
+
+def megatron_without_scheduler(rank: int, world: int, directory: str, selected: int) -> str:
+    """A generation that recovers a step captured with a scheduler, and builds none."""
+    from tests.frameworks.megatron_workloads import setup, train_step
+
+    os.environ["LM_RESILIENCY_KEEP_SHARED_MEMORY"] = "1"
+    bootstrap = _bootstrap(directory, rank, world, selected, "gemini")
+    chunks, optimizer, _ = setup(1, distributed_optimizer=True, scheduler=False)
+    try:
+        train_step(chunks, optimizer, None, selected)
+    except Exception as exc:  # the test checks every rank's refusal
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        bootstrap.close()
+    return "not refused"

@@ -2,7 +2,7 @@
 get_megatron_optimizer, OptimizerParamScheduler) over gloo with the CPU fixture of
 tests/frameworks/megatron_cpu.py, the bootstrap driven as the shim drives it: attach at
 get_megatron_optimizer()'s return, exact recovery of the selected step (the scheduler built
-afterwards included), and one optimizer per worker."""
+afterwards included, and required), and one optimizer per worker."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ pytest.importorskip("megatron.core")
 
 from tests.distributed.gemini_workloads import assert_same  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
-from tests.torchrun.megatron_worker_workloads import megatron_second_optimizer, megatron_train  # noqa: E402
+from tests.torchrun.megatron_worker_workloads import (megatron_second_optimizer, megatron_train,  # noqa: E402
+                                                      megatron_without_scheduler)
 
 pytestmark = pytest.mark.timeout(240, func_only=True)
 
 
-def test_fresh_start_then_the_selected_step_recovered_bitwise(tmp_path):
+def test_fresh_start_then_the_selected_step_recovered_bitwise_with_its_scheduler(tmp_path):
     directory = str(tmp_path)
     first = run_ranks(megatron_train, 3, directory, 6, timeout=200)
     for count, source, _ in first:
@@ -28,6 +29,10 @@ def test_fresh_start_then_the_selected_step_recovered_bitwise(tmp_path):
         assert (count, source) == (6, "gemini")
         assert state["scheduler"]["num_steps"] == 6
         assert_same(state, first[rank][2])
+    for result in run_ranks(megatron_without_scheduler, 3, directory, 4, timeout=200):
+        assert result == ("TorchrunWorkerAdapterError: lm-resiliency torchrun worker: GEMINI recovered step 4 with "
+                          "OptimizerParamScheduler state, and no OptimizerParamScheduler was built over this "
+                          "optimizer before its first step; build the scheduler as in the run that captured it")
 
 
 def test_a_second_get_megatron_optimizer_fails_closed_on_every_rank(tmp_path):
