@@ -6,6 +6,8 @@ tests/frameworks/megatron_workloads.py builds them."""
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 from tests.torchrun.test_bootstrap import _bootstrap
 
@@ -29,15 +31,19 @@ def megatron_train(rank: int, world: int, directory: str, steps: int, selected: 
     return result
 
 
-def megatron_second_optimizer(rank: int, world: int, directory: str) -> str:
-    """A worker that builds a second Megatron optimizer over its chunks."""
+def megatron_refused(rank: int, world: int, directory: str, case: str) -> str:
+    """A worker the adapter must refuse: "second optimizer" builds another Megatron optimizer over
+    its chunks; "megatron-lm": rank 1 has Megatron-LM's megatron.training imported (a package that
+    is not installed here; an empty module stands for its presence)."""
     from tests.frameworks.megatron_workloads import setup
 
     bootstrap = _bootstrap(directory, rank, world)
-    chunks, _, _ = setup(1, distributed_optimizer=False)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
+    if case == "megatron-lm" and rank == 1:
+        sys.modules["megatron.training"] = types.ModuleType("megatron.training")
     try:
+        chunks, _, _ = setup(1, distributed_optimizer=False)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
         get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), chunks)
     except Exception as exc:  # the test checks every rank's refusal
         return f"{type(exc).__name__}: {exc}"

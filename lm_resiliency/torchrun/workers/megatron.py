@@ -9,6 +9,8 @@ construction boundary. The `OptimizerParamScheduler` is built after it (as Megat
 session, and the scheduler state of the recovered step is loaded into it then. A recovered step
 with scheduler state and no scheduler by the first optimizer step fails closed.
 `parallel_state.destroy_model_parallel()` closes the session before the groups are destroyed.
+A worker that imported Megatron-LM's `megatron.training` fails closed (its setup loads its own
+checkpoint after the optimizer is built).
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ class MegatronWorkerAdapter(BuiltInWorkerAdapter):
                 "optimizers")
         self.started = True
         from lm_resiliency.callbacks.megatron import MegatronStepHooks
-        from lm_resiliency.torchrun.workers.megatron_state import LateSchedulerAdapter, missing
+        from lm_resiliency.torchrun.workers.megatron_state import LateSchedulerAdapter, megatron_lm_problem, missing
 
-        agree(bundle_problem(missing(model_chunks, optimizer), "Megatron Core"),
+        agree(megatron_lm_problem() or bundle_problem(missing(model_chunks, optimizer), "Megatron Core"),
               "every rank must build its model chunks and optimizer with get_megatron_optimizer()")
         options = self.attach_options()
         self.adapter = LateSchedulerAdapter(model_chunks, optimizer, hooks=MegatronStepHooks,

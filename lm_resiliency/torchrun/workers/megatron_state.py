@@ -4,6 +4,7 @@ after the attach."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional
 
 from torch import nn
@@ -44,3 +45,14 @@ def missing(model_chunks: Any, optimizer: Any) -> List[str]:
     if not parallel_state.is_initialized():
         absent.append("model-parallel groups (call parallel_state.initialize_model_parallel() first)")
     return absent
+
+
+def megatron_lm_problem() -> str:
+    """Megatron-LM's setup_model_and_optimizer() loads its own checkpoint after it built the
+    optimizer, over the state GEMINI would have recovered there: not this adapter's boundary."""
+    if "megatron.training" not in sys.modules:
+        return ""
+    return ("Megatron-LM's megatron.training is imported, and its setup_model_and_optimizer() loads its own "
+            "checkpoint after get_megatron_optimizer() returns; set adapter = \"package.module:factory\" to a "
+            "custom adapter that calls lm_resiliency.integrations.megatron.enable_resiliency(model, optimizer, "
+            "opt_param_scheduler=..., iteration=args.iteration) after setup_model_and_optimizer()")
