@@ -8,8 +8,8 @@ from lm_resiliency.torchrun.coordinator import (TorchrunInitialPlacement, Torchr
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.launch import TorchrunLaunchConfig
 from lm_resiliency.torchrun.plugin import create_rendezvous_handler, get_rendezvous_handler_creator
-from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, NativePyTorchAdapter, NativePyTorchDDPAdapter,
-                                            TorchTitanWorkerAdapter)
+from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, MegatronWorkerAdapter, NativePyTorchAdapter,
+                                            NativePyTorchDDPAdapter, TorchTitanWorkerAdapter)
 from lm_resiliency.torchrun.worker import (TorchrunWorkerAdapter, TorchrunWorkerAdapterError, TorchrunWorkerContext,
                                            get_torchrun_worker_context)
 
@@ -17,4 +17,5 @@ __all__ = ["create_rendezvous_handler", "get_rendezvous_handler_creator", "deriv
            "TorchrunWorkerAdapter", "TorchrunWorkerAdapterError", "TorchrunWorkerContext",
            "get_torchrun_worker_context", "TorchrunLaunchConfig", "TorchrunRecoveryCoordinator",
            "TorchrunRecoveryRequest", "TorchrunInitialPlacement", "TorchrunSuccessorPlacement",
-           "NativePyTorchAdapter", "NativePyTorchDDPAdapter", "DeepSpeedWorkerAdapter", "TorchTitanWorkerAdapter"]
+           "NativePyTorchAdapter", "NativePyTorchDDPAdapter", "DeepSpeedWorkerAdapter", "TorchTitanWorkerAdapter",
+           "MegatronWorkerAdapter"]

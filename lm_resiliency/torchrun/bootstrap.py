@@ -31,7 +31,8 @@ from lm_resiliency.torchrun.policy import WorkerPolicy
 from lm_resiliency.torchrun.retirement import FaultWatch
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
-from lm_resiliency.torchrun.workers import DeepSpeedWorkerAdapter, NativePyTorchAdapter, TorchTitanWorkerAdapter
+from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, MegatronWorkerAdapter, NativePyTorchAdapter,
+                                            TorchTitanWorkerAdapter)
 from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, gather, load_policy
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ _SESSION_MODULE = "lm_resiliency.session"
 
 # The built-in adapter of each framework ("pytorch": tentative until a higher-level one is imported).
 WORKER_ADAPTERS: Dict[str, Callable[[TorchrunWorkerContext, WorkerPolicy], BuiltInWorkerAdapter]] = {
-    "pytorch": NativePyTorchAdapter, "deepspeed": DeepSpeedWorkerAdapter, "torchtitan": TorchTitanWorkerAdapter}
+    "pytorch": NativePyTorchAdapter, "deepspeed": DeepSpeedWorkerAdapter, "torchtitan": TorchTitanWorkerAdapter,
+    "megatron": MegatronWorkerAdapter}
 
 
 class WorkerBootstrap:
@@ -76,12 +78,7 @@ class WorkerBootstrap:
             self._note_framework(name)
 
     def _use(self, framework: str) -> None:
-        factory = WORKER_ADAPTERS.get(framework)
-        if factory is None:
-            raise TorchrunWorkerAdapterError(
-                f"{PREFIX}{HIGHER_LEVEL[framework]} was imported, and its built-in worker adapter is not available "
-                "in this release. Set adapter = \"package.module:factory\" in the worker policy, or drop "
-                "lm_resiliency_worker_config and call enable_resiliency() explicitly")
+        factory = WORKER_ADAPTERS[framework]
         if self.adapter is not None:
             self.adapter.deactivate(f"{HIGHER_LEVEL[framework]} was imported")
         adapter = factory(self.context, self.policy)

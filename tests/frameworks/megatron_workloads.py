@@ -15,9 +15,10 @@ from tests.frameworks import megatron_cpu
 VOCAB, SEQ, BATCH = 64, 8, 2
 
 
-def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = False):
+def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = False, scheduler: bool = True):
     """(model chunks, optimizer, scheduler) after initialize_model_parallel(tp); on CPU in fp32 with
-    the CPU fixture, or with `cuda` in bf16 on the rank's GPU as Megatron runs in production."""
+    the CPU fixture, or with `cuda` in bf16 on the rank's GPU as Megatron runs in production.
+    Without `scheduler`, None for it."""
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
@@ -45,10 +46,11 @@ def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = F
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=0.05,
                         use_distributed_optimizer=distributed_optimizer, **precision), chunks)
-    scheduler = OptimizerParamScheduler(
+    if not scheduler:
+        return chunks, optimizer, None
+    return chunks, optimizer, OptimizerParamScheduler(
         optimizer, init_lr=1e-3, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=20,
         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=20, wd_incr_style="constant")
-    return chunks, optimizer, scheduler
 
 
 def train_step(chunks, optimizer, scheduler, iteration: int) -> bool:
