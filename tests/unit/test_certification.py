@@ -446,8 +446,9 @@ def test_manager_api_exports_only_what_exists():
         "OrchestrationHooks", "RestartDestinationResolver", "RecoveryDecision", "RecoveryDecisionCallback",
         "SCOUTFaultReport", "SCOUTFaultCallback", "replay_fault_reports", "dispatch_replay_faults",
         "HealthConfig", "HardwareHealthMonitor", "HealthEvent", "HealthReading", "HealthSeverity", "HealthSource",
-        "NvmlSource", "local_fingerprint", "find_drift", "format_drift"}
-    assert len(manager_api.__all__) == 18
+        "NvmlSource", "local_fingerprint", "find_drift", "format_drift", "make_transfer", "CheckpointTransfer",
+        "TransferMetadataStore", "TransferKey", "TransferReceipt", "TransferRefused", "TransferBackendUnavailable"}
+    assert len(manager_api.__all__) == 25
     for name in manager_api.__all__:
         assert getattr(manager_api, name) is not None
 
