@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Tuple
 
 from lm_resiliency._values import is_int
 from lm_resiliency.files import atomic_write
+from lm_resiliency.scout.reports import HANG, SCOPE_RANK
 from lm_resiliency.torchrun.context import TRUST_VERIFIED, ContextError, RestartContext, encode_json, read_json
 
 logger = logging.getLogger(__name__)
@@ -165,8 +166,13 @@ class FaultWatch:
         a hang: record it, wait (bounded) until the agent published the named slots, keep GEMINI's
         shared memory and end this process, whatever fails on the way (the training thread is
         blocked in a collective: an exception could not end it)."""
-        if report.kind != "hang" or not report.ranks:
-            return  # local stalls and unlocalized hangs do not name a node
+        if report.kind != HANG or not report.ranks:
+            return  # a local stall names no node
+        if report.scope != SCOPE_RANK:
+            logger.error("lm-resiliency torchrun worker: SCOUT reports a hang it could not narrow down (every stalled "
+                         "rank is a candidate: %s); retiring them all would end the run, so no node is retired. "
+                         "Find the stuck rank from the report's evidence: %s", list(report.ranks), report.evidence)
+            return
         try:
             self._record_hang(report, session)
         except Exception:  # noqa: BLE001 - the process must end either way; the record may be missing

@@ -156,10 +156,10 @@ class _Exited(BaseException):
     pass
 
 
-def _hang(ranks, kind: str = "hang"):
+def _hang(ranks, kind: str = "hang", scope: str = "rank"):
     from lm_resiliency.scout.reports import SCOUTFaultReport
 
-    return SCOUTFaultReport(kind=kind, scope="process", ranks=tuple(ranks), step=8)
+    return SCOUTFaultReport(kind=kind, scope=scope, ranks=tuple(ranks), step=8)
 
 
 def test_the_worker_that_reports_a_hang_records_it_waits_for_its_agent_and_ends_its_process(tmp_path, monkeypatch):
@@ -175,7 +175,7 @@ def test_the_worker_that_reports_a_hang_records_it_waits_for_its_agent_and_ends_
     watch = FaultWatch("run", 2, directory, local_rank=0, local_world_size=2)
     session = _Session(_Ledger(False, 6))
     watch.on_hang_report(_hang([2], kind="dataloader_stall"), session)  # a local stall names no node
-    watch.on_hang_report(_hang([]), session)  # an unlocalized hang neither
+    watch.on_hang_report(_hang([0, 1, 2, 3], scope="peer_group"), session)  # nor a hang SCOUT could not narrow
     assert read_fault(directory, "run", 2) is None and not session.kept
 
     def agent() -> None:  # what the agent's monitor loop does once it sees the record
