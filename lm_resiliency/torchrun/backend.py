@@ -13,7 +13,10 @@
   RECOVERY_VERIFIED step) and write it, with the node's slot and the topology digest, to the
   owner-only restart context the workers read;
 * an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
-  never to rejoin the run; the parked standby takes the free slot;
+  never to rejoin the run; the parked standby takes the free slot. A hang is recorded on the node
+  of the one worker that reported it: its agent publishes the named slots in the store
+  (`retire/<generation>/<slot>`, from its monitor loop, before that worker ends the generation),
+  so the named agent finds them before it joins the next round;
 * with `lm_resiliency_manager=1`, those decisions come from the successor generations a
   `TorchrunRecoveryCoordinator` publishes (coordinator.py) instead;
 * with `lm_resiliency_worker_config`, workers start with the zero-import bootstrap (a
@@ -43,7 +46,7 @@ from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordina
                                                 successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
-from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, read_fault
+from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, acknowledge_fault, read_fault
 from lm_resiliency.torchrun.selection import NodeReport, Selection, SelectionRefused, select_step
 
 logger = logging.getLogger(__name__)
@@ -108,6 +111,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
         self._generation: Optional[int] = None
+        self._published: Optional[int] = None  # the generation whose local fault is in the store
         self._retired = False
         self._standby = False
         self.min_nodes = params.min_nodes
@@ -164,6 +168,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         fault = self._own_fault()
+        if fault is None or self._slot not in fault.slots:
+            fault = self._named_fault() or fault  # a hang: another node holds the record naming this slot
         successor = None
         if self.managed and self._generation is not None:
             successor = self._successor(self._generation + 1)
@@ -231,6 +237,36 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             return read_fault(self.context_dir, self.run_id, self._generation)
         except ctx.ContextError as exc:
             raise RendezvousRefused(str(exc)) from None
+
+    def _named_fault(self) -> Optional[NodeFault]:
+        """A fault another node recorded in the generation that just ended naming this node's slot
+        (a hang: only the reporting worker's node has the record)."""
+        if self._generation is None or self._slot is None:
+            return None
+        key = f"retire/{self._generation}/{self._slot}"
+        if not self._store.check([key]):
+            return None
+        try:
+            return NodeFault.from_json(json.loads(self._store.get(key)), f"store key {key}")
+        except (ValueError, ctx.ContextError) as exc:
+            raise RendezvousRefused(f"store key {key}: {exc}") from None
+
+    def _publish_fault(self) -> None:
+        """From the agent's monitor loop: put the fault this node's workers recorded in the running
+        generation into the store for the slots it names, then tell the workers (a reporting worker
+        waits for this before it ends the generation, so the store has it before any agent rejoins)."""
+        generation = self._generation
+        if generation is None or self._published == generation:
+            return
+        fault = self._own_fault()
+        if fault is None:
+            return
+        for slot in fault.slots:
+            self._store.set(f"retire/{generation}/{slot}", json.dumps(fault.to_json()))
+        acknowledge_fault(self.context_dir, generation)
+        self._published = generation
+        logger.warning("lm_resiliency rendezvous: node %s published SCOUT's %s verdict of generation %d: node slots "
+                       "%s retire", self.node_id[:12], fault.kind, generation, list(fault.slots))
 
     def _retire(self, why: str) -> None:
         self._store.set(f"retired/{self.node_id}", why)
@@ -308,6 +344,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
+        self._publish_fault()  # torch's agent calls this every monitor interval while its workers run
         return self._inner.num_nodes_waiting()
 
     def get_run_id(self) -> str:

@@ -13,6 +13,8 @@ the rendezvous has `lm_resiliency_worker_config`).
    (`enable_resiliency()`, a framework callback or plugin) raises.
 5. Records each completely captured step for the agent; closes the session when the default
    process group is destroyed (before it is), or at exit.
+6. Ends the generation on SCOUT's verdicts the agents act on: SDC (every worker) and a hang (the
+   one worker that reports it), see retirement.py.
 """
 
 from __future__ import annotations
@@ -82,9 +84,17 @@ class WorkerBootstrap:
         if self.adapter is not None:
             self.adapter.deactivate(f"{HIGHER_LEVEL[framework]} was imported")
         adapter = factory(self.context, self.policy)
-        adapter.on_step, adapter.fault_callback = self._record, self._faults.on_replay_result
+        self._watch(adapter)
         self.adapter = adapter
         adapter.install(self.context)
+
+    def _watch(self, adapter: BuiltInWorkerAdapter) -> None:
+        adapter.on_step, adapter.fault_callback = self._record, self._faults.on_replay_result
+        adapter.oob_fault_callback = self._on_oob_report
+
+    def _on_oob_report(self, report: Any) -> None:
+        """On the monitor thread: a hang SCOUT localized ends this process (retirement.py)."""
+        self._faults.on_hang_report(report, self.session)
 
     def _note_framework(self, name: str) -> None:
         if name in self.frameworks:
@@ -109,7 +119,7 @@ class WorkerBootstrap:
             raise TorchrunWorkerAdapterError(f"worker policy adapter {spec!r}: the factory's result has no "
                                              "install(context) method")
         if isinstance(self._custom, BuiltInWorkerAdapter):  # a built-in named as the factory
-            self._custom.on_step, self._custom.fault_callback = self._record, self._faults.on_replay_result
+            self._watch(self._custom)
             self.adapter = self._custom
         self._custom.install(self.context)
 

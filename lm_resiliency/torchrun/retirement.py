@@ -1,24 +1,42 @@
 """SCOUT-named node retirement under the built-in torchrun policy.
 
-Workers: when SCOUT localizes SDC (or a hang) and the trust ledger requires RECOVERY_VERIFIED
-recovery, every worker writes `fault-<local rank>.json` into its node's restart-context
-directory (the faulty global ranks, their node slots, the newest RECOVERY_VERIFIED step) and
-ends its generation with `TorchrunFaultDetected`. Agents: at the next rendezvous round the agent
-whose slot was named retires (`NodeRetired`); the others publish the fault with their steps, so
-every agent, the admitted standby included, selects the verified step."""
+SDC: when SCOUT localizes SDC and the trust ledger requires RECOVERY_VERIFIED recovery, every
+worker writes `fault-<local rank>.json` into its node's restart-context directory (the faulty
+global ranks, their node slots, the newest RECOVERY_VERIFIED step) and ends its generation with
+`TorchrunFaultDetected`.
+
+Hang: only the one rank whose out-of-band monitor reports the hang learns it, on its monitor
+thread, while every training thread sits blocked in a collective. That rank writes the same
+record (kind "hang"), waits until its agent has published the named slots in the rendezvous
+store (`ACK_NAME`), keeps GEMINI's shared memory and ends its process with `HANG_EXIT_CODE`; its
+peers' collectives then fail and every worker group ends.
+
+Agents: at the next rendezvous round the agent whose slot was named (by its own node's record
+or by the store key another agent published) retires (`NodeRetired`); the others publish the
+fault with their steps, so every agent, the admitted standby included, selects the verified step."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from lm_resiliency._values import is_int
 from lm_resiliency.files import atomic_write
+from lm_resiliency.scout.reports import HANG, SCOPE_RANK
 from lm_resiliency.torchrun.context import TRUST_VERIFIED, ContextError, RestartContext, encode_json, read_json
+
+logger = logging.getLogger(__name__)
 
 FAULT_SCHEMA = "lm-resiliency-torchrun-fault/1"
 FAULT_KINDS = ("sdc", "hang")
+ACK_NAME = "published-fault.json"  # the agent's {"generation": g}: this node's fault of g is in the store
+HANG_EXIT_CODE = 87  # the reporting worker ended its process after a hang report
+ACK_TIMEOUT_S = 60.0
+_ACK_POLL_S = 0.1
 
 
 class TorchrunFaultDetected(RuntimeError):
@@ -89,6 +107,19 @@ def write_fault(directory: str, local_rank: int, fault: NodeFault) -> None:
     atomic_write(fault_path(directory, local_rank), encode_json(fault.to_json()))
 
 
+def acknowledge_fault(directory: str, generation: int) -> None:
+    """The agent's side: this node's fault of `generation` is published in the rendezvous store."""
+    atomic_write(os.path.join(directory, ACK_NAME), encode_json({"generation": generation}))
+
+
+def fault_acknowledged(directory: str, generation: int) -> bool:
+    try:
+        data = read_json(os.path.join(directory, ACK_NAME))
+    except FileNotFoundError:  # not written yet (the write is atomic: never half-read)
+        return False
+    return isinstance(data, dict) and data.get("generation") == generation
+
+
 def read_fault(directory: str, run_id: str, generation: int) -> Optional[NodeFault]:
     """The fault this node's workers recorded in `generation` of `run_id` (None: none). Records
     of other runs or generations are ignored; corrupt or disagreeing ones fail closed."""
@@ -129,6 +160,49 @@ class FaultWatch:
             return  # stragglers and inconclusive votes alone do not latch verified-only recovery
         self.ranks.extend(rank for check in result.checks if check.verdict == "sdc" for rank in check.faulty)
         self.step = result.step if self.step is None else self.step
+
+    def on_hang_report(self, report: Any, session: Any) -> None:
+        """The session's `oob_fault_callback`, on the monitor thread of the one rank that reports
+        a hang: record it, wait (bounded) until the agent published the named slots, keep GEMINI's
+        shared memory and end this process, whatever fails on the way (the training thread is
+        blocked in a collective: an exception could not end it)."""
+        if report.kind != HANG or not report.ranks:
+            return  # a local stall names no node
+        if report.scope != SCOPE_RANK:
+            logger.error("lm-resiliency torchrun worker: SCOUT reports a hang it could not narrow down (every stalled "
+                         "rank is a candidate: %s); retiring them all would end the run, so no node is retired. "
+                         "Find the stuck rank from the report's evidence: %s", list(report.ranks), report.evidence)
+            return
+        try:
+            self._record_hang(report, session)
+        except Exception:  # noqa: BLE001 - the process must end either way; the record may be missing
+            logger.exception("lm-resiliency torchrun worker: recording the hang for the agent failed")
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+
+    def _record_hang(self, report: Any, session: Any) -> None:
+        ledger = session.ledger if session is not None else None
+        verified = ledger.recovery_verified_step if ledger is not None else None
+        step = report.step if report.step is not None else (session.step_count if session is not None else 0)
+        fault = fault_for(self.run_id, self.generation, "hang", list(report.ranks), self.local_world_size, step,
+                          verified)
+        write_fault(self.directory, self.local_rank, fault)
+        if session is not None:
+            session.keep_state_for_relaunch()
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while not fault_acknowledged(self.directory, self.generation) and time.monotonic() < deadline:
+            time.sleep(_ACK_POLL_S)
+        logger.critical(
+            "lm-resiliency torchrun worker: SCOUT localized a hang at step %d on global ranks %s (node slots %s); %s. "
+            "This worker ends its process (exit status %d) so that every worker group ends, the agents retire the "
+            "named node(s) and restart from the newest RECOVERY_VERIFIED step (%s)", fault.step, list(fault.ranks),
+            list(fault.slots), "the agent published it" if fault_acknowledged(self.directory, self.generation) else
+            f"the agent did not publish it within {ACK_TIMEOUT_S:g}s: only a named node that reads its own record "
+            "retires", HANG_EXIT_CODE, "none" if verified is None else verified)
 
     def after_step(self, session: Any) -> None:
         """After each optimizer step: end the generation once recovery must be RECOVERY_VERIFIED."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -149,3 +150,90 @@ def test_a_retired_node_may_not_rejoin_the_run(tmp_path, monkeypatch):
                                                 r"on global ranks \[3\]\); it may not rejoin"):
         create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2))
     create_rendezvous_handler(_params(tmp_path, run_id="another-run", max_nodes=2)).shutdown()
+
+
+class _Exited(BaseException):
+    pass
+
+
+def _hang(ranks, kind: str = "hang", scope: str = "rank"):
+    from lm_resiliency.scout.reports import SCOUTFaultReport
+
+    return SCOUTFaultReport(kind=kind, scope=scope, ranks=tuple(ranks), step=8)
+
+
+def test_the_worker_that_reports_a_hang_records_it_waits_for_its_agent_and_ends_its_process(tmp_path, monkeypatch):
+    import threading
+
+    from lm_resiliency.torchrun import retirement
+
+    def exit_(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(retirement.os, "_exit", exit_)
+    directory = _dir(tmp_path)
+    watch = FaultWatch("run", 2, directory, local_rank=0, local_world_size=2)
+    session = _Session(_Ledger(False, 6))
+    watch.on_hang_report(_hang([2], kind="dataloader_stall"), session)  # a local stall names no node
+    watch.on_hang_report(_hang([0, 1, 2, 3], scope="peer_group"), session)  # nor a hang SCOUT could not narrow
+    assert read_fault(directory, "run", 2) is None and not session.kept
+
+    def agent() -> None:  # what the agent's monitor loop does once it sees the record
+        while read_fault(directory, "run", 2) is None:
+            time.sleep(0.05)
+        retirement.acknowledge_fault(directory, 1)  # an older generation's acknowledgement is not this one's
+        time.sleep(0.5)
+        retirement.acknowledge_fault(directory, 2)
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    begun = time.monotonic()
+    with pytest.raises(_Exited) as exited:
+        watch.on_hang_report(_hang([3, 2]), session)
+    assert exited.value.args == (retirement.HANG_EXIT_CODE,) and time.monotonic() - begun >= 0.5
+    assert session.kept
+    assert read_fault(directory, "run", 2) == NodeFault("run", 2, "hang", (2, 3), (1,), 8, 6)
+
+
+def test_a_hang_report_ends_the_process_even_when_recording_fails(tmp_path, monkeypatch):
+    from lm_resiliency.torchrun import retirement
+
+    def exit_(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(retirement.os, "_exit", exit_)
+    watch = FaultWatch("run", 2, str(tmp_path / "missing"), local_rank=0, local_world_size=2)
+    with pytest.raises(_Exited) as exited:
+        watch.on_hang_report(_hang([2]), _Session(_Ledger(False, 6)))
+    assert exited.value.args == (retirement.HANG_EXIT_CODE,)
+
+
+def test_the_agent_publishes_its_nodes_hang_record_and_the_named_agent_retires_before_joining(tmp_path, monkeypatch):
+    from torch.distributed import FileStore
+
+    from lm_resiliency.integrations.torchrun import create_rendezvous_handler
+    from lm_resiliency.torchrun.coordinator import run_store
+    from lm_resiliency.torchrun.retirement import NodeRetired, fault_acknowledged
+    from tests.torchrun.launcher import machine_id_file
+    from tests.torchrun.test_backend import _params
+
+    monkeypatch.setenv("LM_RESILIENCY_MACHINE_ID_PATH", machine_id_file(str(tmp_path), "observer"))
+    run_id = "hang-run"
+    observer = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2))
+    observer.next_rendezvous()
+    generation = ctx.read_context(str(tmp_path / "ctx-a" / "context.json")).generation
+    store = run_store(FileStore(str(tmp_path / "rdzv")), run_id)
+    assert observer.num_nodes_waiting() == 0 and not store.check([f"retire/{generation}/1"])
+    hang = fault_for(run_id, generation, "hang", [2], 2, 8, 6)
+    write_fault(str(tmp_path / "ctx-a"), 0, hang)
+    observer.num_nodes_waiting()
+    assert json.loads(store.get(f"retire/{generation}/1")) == hang.to_json()
+    assert fault_acknowledged(str(tmp_path / "ctx-a"), generation)
+    assert not fault_acknowledged(str(tmp_path / "ctx-a"), generation + 1)
+    # The named agent (slot 0 of this one-node run, so name slot 0) finds the key before joining.
+    store.set(f"retire/{generation}/0", json.dumps(fault_for(run_id, generation, "hang", [1], 2, 8, 6).to_json()))
+    with pytest.raises(NodeRetired):
+        observer.next_rendezvous()
+    assert b"SCOUT found hang at step 8 on global ranks [1]" in store.get(
+        f"retired/{observer.node_id}")
+    observer.shutdown()

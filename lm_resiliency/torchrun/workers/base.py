@@ -79,6 +79,7 @@ class BuiltInWorkerAdapter:
         self.session: Any = None
         self.on_step: Optional[Callable[[], None]] = None  # the bootstrap's record of captured steps
         self.fault_callback: Optional[Callable[[Any], None]] = None  # the bootstrap's SCOUT verdict watch
+        self.oob_fault_callback: Optional[Callable[[Any], None]] = None  # the bootstrap's hang watch
         self.active = False
         self.started = False  # an attach began (it may have failed): never attach twice
 
@@ -105,6 +106,8 @@ class BuiltInWorkerAdapter:
         arguments: Dict[str, Any] = dict(self.policy.arguments)
         if self.fault_callback is not None:
             arguments["fault_callback"] = self.fault_callback
+        if self.oob_fault_callback is not None:
+            arguments["oob_fault_callback"] = self.oob_fault_callback
         return AttachOptions(caller=f"worker policy {self.policy.path}", **arguments)
 
     def attach(self, adapter: Any, options: Any) -> Any:
