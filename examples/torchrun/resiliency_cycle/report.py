@@ -33,7 +33,7 @@ PERFORMED = {
     "message_drop": ("represented", "the node's messages stop: the orchestrator kills the node's agent"),
     "network_partition": ("represented", "no network is cut on a shared host: performed as a whole-node loss "
                                          "(the orchestrator kills the node's agent)"),
-    "config_drift": ("faithful", "the kit changes the target's optimizer learning rate"),
+    "config_drift": ("faithful", "the kit changes an environment variable of the target (NCCL_ALGO)"),
 }
 _COLUMNS = (("#", 3), ("type", 22), ("target", 7), ("step", 5), ("outcome", 12), ("selected", 9), ("seconds", 7))
 
