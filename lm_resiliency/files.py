@@ -1,4 +1,6 @@
-"""File and JSON primitives shared by every on-disk record (shards, sidecars, manifests, journals)."""
+"""Every file and record read or written: atomic publication, owned-file opens, strict JSON, and
+the record layer (one reader, with a declared schema, for every document that comes from another
+process, the store, shared memory or disk; one private-directory policy)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import re
 import secrets
 import stat
 from itertools import accumulate
-from typing import Any, BinaryIO, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Type, Union
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +67,36 @@ def fsync_dir(directory: str) -> None:
     """Make a rename in `directory` durable; filesystems without directory fsync are tolerated."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-        logger.debug("directory fsync not supported on %s (%s)", directory, exc)
+        _fsync_fd(fd)
     finally:
         os.close(fd)
 
 
+def _fsync_fd(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+        logger.debug("directory fsync not supported (%s)", exc)
+
+
 def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
-                 temp_name: Optional[str] = None) -> None:
+                 temp_name: Optional[str] = None, dir_fd: Optional[int] = None) -> None:
     """Make a file visible at `path` only complete: temp file, fsync, rename, fsync the dir.
 
     `data` is the bytes, or a function that streams them into the open temp file. The temp
     file is created in the same directory (never through a symlink, mode 0600) under
-    `temp_name`, or a random name; it is removed when anything fails before the rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    temp = os.path.join(directory, temp_name or f".{os.path.basename(path)}.tmp-{secrets.token_hex(8)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600)
+    `temp_name`, or a random name; it is removed when anything fails before the rename. With
+    `dir_fd`, `path` is a name inside that open directory (no path lookup can be redirected)."""
+    if dir_fd is None:
+        directory = os.path.dirname(os.path.abspath(path))
+        final = path
+        temp = os.path.join(directory, temp_name or f".{os.path.basename(path)}.tmp-{secrets.token_hex(8)}")
+    else:
+        final = path
+        temp = temp_name or f".{path}.tmp-{secrets.token_hex(8)}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600, dir_fd=dir_fd)
     published = False
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
@@ -94,29 +108,33 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, path)
+        os.replace(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         published = True
     finally:
         if fd >= 0:
             os.close(fd)
         if not published:
             with contextlib.suppress(OSError):
-                os.unlink(temp)
-    fsync_dir(directory)
+                os.unlink(temp, dir_fd=dir_fd)
+    if dir_fd is None:
+        fsync_dir(directory)
+    else:
+        _fsync_fd(dir_fd)
 
 
 def open_owned(path: str, what: str, reject: Callable[[str], Exception], *, flags: int = os.O_RDONLY,
                dir_fd: Optional[int] = None, shown: Optional[str] = None, uid: Optional[int] = None,
-               forbidden_mode: int = 0) -> Optional[int]:
+               owners: Optional[Tuple[int, ...]] = None, forbidden_mode: int = 0) -> Optional[int]:
     """Open `path` (relative to `dir_fd` when given) as a regular file this process owns, never
     following a symbolic link; None when it does not exist. The fd is returned blocking.
 
     Refused with `reject(message)` (the message starts with `shown`, default `path`, and `what`):
-    a symbolic link, anything but a regular file, a file owned by another uid (default: the
-    effective uid), a mode with any `forbidden_mode` bit set, or a stat/open that fails. Checked
-    before the open and again on the open fd, so a file swapped in between is refused too."""
+    a symbolic link, anything but a regular file, a file owned by another uid than `uid` (or any
+    of `owners`; default: the effective uid), a mode with any `forbidden_mode` bit set, or a
+    stat/open that fails. Checked before the open and again on the open fd, so a file swapped in
+    between is refused too."""
     shown = path if shown is None else shown
-    uid = os.geteuid() if uid is None else uid
+    allowed = owners if owners is not None else (os.geteuid() if uid is None else uid,)
 
     def check(st: os.stat_result) -> None:
         mode = stat.S_IMODE(st.st_mode)
@@ -124,8 +142,10 @@ def open_owned(path: str, what: str, reject: Callable[[str], Exception], *, flag
             reason = "is a symbolic link; refusing to follow it"
         elif not stat.S_ISREG(st.st_mode):  # opening a FIFO would block until a writer appears
             reason = "is not a regular file; refusing to open it"
-        elif st.st_uid != uid:
-            reason = f"is owned by uid {st.st_uid}, not by this process (uid {uid}); refusing to open it"
+        elif st.st_uid not in allowed:
+            expected = (f"this process (uid {allowed[0]})" if len(allowed) == 1
+                        else f"uid {' or '.join(map(str, allowed))}")
+            reason = f"is owned by uid {st.st_uid}, not by {expected}; refusing to open it"
         elif mode & forbidden_mode:
             reason = f"has mode {mode:o}; expected {0o666 & ~forbidden_mode:04o} at most; refusing to open it"
         else:
@@ -155,3 +175,260 @@ def open_owned(path: str, what: str, reject: Callable[[str], Exception], *, flag
         os.close(fd)
         raise
     return fd
+
+
+# ------------------------------------------------------------------ the record layer
+#
+# Every document that comes from another process, the store, shared memory or disk is read here:
+# bytes (from a file checked for type, owner and mode, or from the store/wire), a size bound, strict
+# JSON, then a declared schema (identity/version, keys, types, ranges). Anything else raises
+# RecordRejected (or the caller's subclass of it) with a message that starts with where it came from.
+
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024
+# Library-written records: this user's, no group/other access at all (they are written 0600).
+PRIVATE = "private"
+# Configuration a person wrote for the library (a policy file): this user's or root's, and not
+# writable by group or others (it may name code to import).
+CONFIG = "config"
+_FILE_TRUST = {PRIVATE: 0o077, CONFIG: 0o022}
+
+
+class RecordRejected(ValueError):
+    """A document from outside this process is missing a part, malformed, too large, of another
+    schema or version, out of range, or its file is unsafe (a link, not a regular file, another
+    owner, group/other access). The message names where it came from and what was wrong."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Field:
+    """One key of a record: the JSON types it may hold and the values it may take."""
+
+    types: Tuple[type, ...]
+    """Accepted Python types after JSON decoding (`int` never accepts a bool; `float` accepts an int)."""
+    minimum: Optional[float] = None
+    """Smallest accepted number (int/float values)."""
+    maximum: Optional[float] = None
+    """Largest accepted number (int/float values)."""
+    max_length: Optional[int] = None
+    """Longest accepted string, list or object."""
+    nonempty: bool = False
+    """Strings, lists and objects must not be empty."""
+    choices: Optional[Tuple[Any, ...]] = None
+    """The only accepted values, when set."""
+    items: Optional["Field"] = None
+    """The field every list element (or object value) must satisfy."""
+    record: Optional["RecordSchema"] = None
+    """The schema a nested object must satisfy."""
+    required: bool = True
+    """Whether the key must be present."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordSchema:
+    """What one kind of document must look like."""
+
+    what: str
+    """What the document is, in words, for messages ("restart context")."""
+    fields: Mapping[str, Field]
+    """Every key the document may hold (no other key is accepted unless `open_keys`)."""
+    identity: Optional[Tuple[str, Any]] = None
+    """(key, value) that names the schema and its version, e.g. ("schema", "lm-resiliency-x/2")."""
+    open_keys: bool = False
+    """Accept keys that are not declared (a record that other versions extend)."""
+    max_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """The largest encoded document accepted."""
+
+
+def integer(minimum: Optional[int] = 0, maximum: Optional[int] = None, *, required: bool = True) -> Field:
+    return Field(types=(int,), minimum=minimum, maximum=maximum, required=required)
+
+
+def number(minimum: Optional[float] = None, maximum: Optional[float] = None, *, required: bool = True) -> Field:
+    return Field(types=(float,), minimum=minimum, maximum=maximum, required=required)
+
+
+def text(*, nonempty: bool = True, max_length: Optional[int] = 4096, required: bool = True,
+         choices: Optional[Tuple[str, ...]] = None) -> Field:
+    return Field(types=(str,), nonempty=nonempty, max_length=max_length, required=required, choices=choices)
+
+
+def boolean(*, required: bool = True) -> Field:
+    return Field(types=(bool,), required=required)
+
+
+def array(items: Field, *, max_length: Optional[int] = 4096, nonempty: bool = False,
+          required: bool = True) -> Field:
+    return Field(types=(list,), items=items, max_length=max_length, nonempty=nonempty, required=required)
+
+
+def nested(schema: "RecordSchema", *, required: bool = True) -> Field:
+    return Field(types=(dict,), record=schema, required=required)
+
+
+def nullable(field: Field) -> Field:
+    """`field`, or JSON null."""
+    return Field(types=(*field.types, type(None)), minimum=field.minimum, maximum=field.maximum,
+                 max_length=field.max_length, nonempty=field.nonempty, choices=field.choices, items=field.items,
+                 record=field.record, required=field.required)
+
+
+def _type_ok(value: Any, types: Tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def _field_problem(value: Any, field: Field, path: str) -> Optional[str]:
+    if not _type_ok(value, field.types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in field.types)
+        return f"{path} must be {names}, got {type(value).__name__} {_shown(value)}"
+    if value is None:
+        return None
+    if field.choices is not None and value not in field.choices:
+        return f"{path} must be one of {list(field.choices)}, got {_shown(value)}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if field.minimum is not None and value < field.minimum:
+            return f"{path} must be at least {field.minimum:g}, got {value!r}"
+        if field.maximum is not None and value > field.maximum:
+            return f"{path} must be at most {field.maximum:g}, got {value!r}"
+    if isinstance(value, (str, list, dict)):
+        if field.nonempty and not value:
+            return f"{path} must not be empty"
+        if field.max_length is not None and len(value) > field.max_length:
+            return f"{path} holds {len(value)} items or characters; at most {field.max_length} are accepted"
+    if isinstance(value, list) and field.items is not None:
+        for index, item in enumerate(value):
+            problem = _field_problem(item, field.items, f"{path}[{index}]")
+            if problem is not None:
+                return problem
+    if isinstance(value, dict):
+        if field.record is not None:
+            return _record_problem(value, field.record, f"{path}.")
+        if field.items is not None:
+            for key, item in value.items():
+                problem = _field_problem(item, field.items, f"{path}[{key!r}]")
+                if problem is not None:
+                    return problem
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _record_problem(doc: Any, schema: RecordSchema, prefix: str = "") -> Optional[str]:
+    if not isinstance(doc, dict):
+        return f"{prefix or 'the document '}is not a JSON object ({type(doc).__name__})"
+    if schema.identity is not None:
+        key, expected = schema.identity
+        if doc.get(key) != expected:
+            return (f"not a {schema.what} of this version: {prefix}{key} is {_shown(doc.get(key))}, "
+                    f"expected {expected!r}")
+    declared = set(schema.fields) | ({schema.identity[0]} if schema.identity else set())
+    unknown = sorted(set(doc) - declared)
+    if unknown and not schema.open_keys:
+        return f"unknown keys {[prefix + k for k in unknown]} in a {schema.what}"
+    missing = sorted(k for k, f in schema.fields.items() if f.required and k not in doc)
+    if missing:
+        return f"missing keys {[prefix + k for k in missing]} in a {schema.what}"
+    for key, field in schema.fields.items():
+        if key in doc:
+            problem = _field_problem(doc[key], field, prefix + key)
+            if problem is not None:
+                return problem
+    return None
+
+
+def check_record(doc: Any, schema: RecordSchema, where: str, *,
+                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
+    """`doc` (already decoded, e.g. from TOML) when it satisfies `schema`; else `error`."""
+    problem = _record_problem(doc, schema)
+    if problem is not None:
+        raise error(f"{where}: {problem}")
+    return doc
+
+
+def parse_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
+                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
+    """Bytes from a file, the store, shared memory or the wire -> a document satisfying `schema`."""
+    size = len(data)
+    if size > schema.max_bytes:
+        raise error(f"{where}: a {schema.what} of {size} bytes; at most {schema.max_bytes} are accepted")
+    try:
+        decoded = loads_strict_json(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise error(f"{where}: not a {schema.what}: not valid JSON ({exc})") from None
+    return check_record(decoded, schema, where, error=error)
+
+
+def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
+    """The bytes `parse_record` reads back as exactly `doc` (checked before anything is written)."""
+    data = json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
+    parse_record(data, schema, f"a {schema.what} about to be written")
+    return data
+
+
+def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVATE, dir_fd: Optional[int] = None,
+                    shown: Optional[str] = None, error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
+    """The bytes of `path` (None when it does not exist), after open_owned's checks for `trust`
+    (PRIVATE: this user's, no group/other access; CONFIG: this user's or root's, not group/other
+    writable) and a size bound; never blocks on a FIFO, never follows a link."""
+    owners = (os.geteuid(),) if trust == PRIVATE else (os.geteuid(), 0)
+    fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners, forbidden_mode=_FILE_TRUST[trust])
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{shown or path}: {what} is larger than {max_bytes} bytes; refusing to read it")
+    return data
+
+
+def read_record(path: str, schema: RecordSchema, *, trust: str = PRIVATE, dir_fd: Optional[int] = None,
+                shown: Optional[str] = None, error: Type[RecordRejected] = RecordRejected) -> Optional[Dict[str, Any]]:
+    """The document at `path` satisfying `schema` (None when the file does not exist)."""
+    data = read_file_bytes(path, schema.what, max_bytes=schema.max_bytes, trust=trust, dir_fd=dir_fd, shown=shown,
+                           error=error)
+    return None if data is None else parse_record(data, schema, shown or path, error=error)
+
+
+def write_record(path: str, doc: Mapping[str, Any], schema: RecordSchema) -> None:
+    """Publish `doc` at `path` atomically (0600) after checking it against `schema`."""
+    atomic_write(path, encode_record(doc, schema))
+
+
+def ensure_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
+    """The one private-directory policy: create `path` 0700 (missing parents as the umask allows),
+    or accept an existing one only when it is a real directory (not a link) this user owns with no
+    group/other access. An existing directory is never chmod-ed: a mode someone chose is theirs to
+    change, and a directory that became accessible to others may already hold their files."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise error(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
+    check_private_dir(path, what, error=error)
+
+
+def check_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
+    """Refuse `path` unless it is a real directory this user owns with no group/other access
+    (readers call this again before trusting what is inside: a mode can change after setup)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot stat it: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise error(f"{what} {path} is not a directory (a link or a file); point it at a directory this user owns")
+    if info.st_uid != os.geteuid():
+        raise error(f"{what} {path} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}); "
+                    "refusing to use it. Use a directory this user owns")
+    if info.st_mode & 0o077:
+        raise error(f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: group/other access is not "
+                    "allowed. It is not changed for you; chmod 700 it or use another directory")
