@@ -47,7 +47,7 @@ def _agents(tmp_path, run_id: str) -> Store:
 
 def test_initial_placement_is_the_first_generation_the_agents_committed(tmp_path):
     run_id = uuid.uuid4().hex
-    store = _committed(tmp_path, run_id)
+    _committed(tmp_path, run_id)
     commit_placement(_agents(tmp_path, run_id), run_id, 1, ("n0", "n2"))  # later rounds do not replace it
     with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
         assert coordinator.initial_placement() == TorchrunInitialPlacement(
@@ -77,6 +77,20 @@ def test_a_successor_is_published_once_and_agents_read_it(tmp_path):
         assert (same_node.kind, same_node.retire_slots) == ("same-node", ())
         with pytest.raises(TorchrunCoordinatorError, match="no successor for generation 3 was published within"):
             successor_for(agents, run_id, 3, timeout_s=0.5)
+
+
+def test_a_coordinator_manages_the_live_launch_never_an_earlier_one(tmp_path):
+    """The endpoint file keeps every launch's keys: a manager started after a relaunch must read
+    the new launch's placement, not the one a dead launch committed for the same rounds."""
+    run_id = uuid.uuid4().hex
+    _committed(tmp_path, run_id, ("n0", "n1"))
+    _AGENTS.pop().stop()  # the first launch's agents are gone
+    time.sleep(1.2)
+    relaunch = _launch(FileStore(str(tmp_path / "rdzv")), run_id)
+    commit_placement(relaunch, run_id, 0, ("n0",))
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
+        assert coordinator.initial_placement().node_ids == ("n0",)
+        assert coordinator.launch_id == _AGENTS[-1].launch.launch_id
 
 
 @pytest.mark.parametrize("change, message", [

@@ -138,11 +138,12 @@ class BuiltInWorkerAdapter:
             self._refused(session, selected, None)
             raise
         if selected is None and step is not None:
-            self._refused(session, None, step if session.recovered_from == "gemini" else None)
+            gemini = session.recovered_from == "gemini"
+            self._refused(session, None, step if gemini else None)
             raise TorchrunWorkerAdapterError(
                 f"{PREFIX}GEMINI resumed step {step} of run {self.context.run_id!r}, but the rendezvous selected a "
                 "fresh start (no node recorded a capture it could use); refusing to continue from state the agents "
-                "did not select. The next generation starts from it")
+                "did not select." + (" The next generation starts from it" if gemini else ""))
 
     def _refused(self, session: Any, selected: Optional[int], loaded: Optional[int]) -> None:
         """Tell the bootstrap (it records what every rank can load for the agents); never masks the
