@@ -115,6 +115,16 @@ def test_restart_context_dir_is_owner_only_and_bad_ones_fail_closed(tmp_path):
         create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex, context="ctx-foreign"))
 
 
+def test_a_context_dir_opened_up_after_startup_stops_the_next_round(tmp_path):
+    _use_machine(tmp_path, "a")
+    handler = create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex))
+    os.chmod(tmp_path / "ctx-a", 0o777)
+    with pytest.raises(RendezvousRefused, match="has mode 0777: group/other access is not allowed"):
+        handler.next_rendezvous()
+    assert not os.path.exists(tmp_path / "ctx-a" / "context.json")  # nothing was written into it
+    handler.shutdown()
+
+
 def test_duplicate_machine_identity_fails_closed(tmp_path):
     run_id = uuid.uuid4().hex
     _use_machine(tmp_path, "a")

@@ -76,6 +76,14 @@ def test_corrupt_unsafe_or_disagreeing_fault_records(tmp_path):
         assert found is not None and len(ignored) == 1 and re.search(message, ignored[0]), ignored
     os.chmod(os.path.join(directory, "fault-1.json"), 0o644)
     assert "has mode 644" in read_fault(directory, _round(1))[1][0]
+    os.unlink(os.path.join(directory, "fault-1.json"))
+    os.symlink(os.path.join(directory, "fault-0.json"), os.path.join(directory, "fault-1.json"))
+    assert "is a symbolic link; refusing to follow it" in read_fault(directory, _round(1))[1][0]
+    os.unlink(os.path.join(directory, "fault-1.json"))
+    with open(os.path.join(directory, "fault-1.json"), "w") as f:
+        f.write(json.dumps(doc)[:40])  # truncated
+    os.chmod(os.path.join(directory, "fault-1.json"), 0o600)
+    assert "not valid JSON" in read_fault(directory, _round(1))[1][0]
 
 
 def _record(local_rank: int, step: int, *, launch: str = LAUNCH, generation: int = 1, node: str = NODE,
