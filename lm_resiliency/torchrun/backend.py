@@ -64,6 +64,7 @@ _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STANDBY_POLL_S = 1.0
 _STANDBY_MUTEX = "standby/joining"
 _MAX_BEAT_INTERVAL_S = 1.0
+_MAX_REASON = 8192  # a manager's reason is bounded by its own record; the context adds a note
 
 
 class RendezvousRefused(RuntimeError):
@@ -402,7 +403,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         if self._standby:  # admitted: the next standby may join after the next loss
             self._store.set(_STANDBY_MUTEX, "")
             self._standby = False
-        reason = selection.reason
+        reason = selection.reason[:_MAX_REASON]
         if local.ignored:
             reason += f"; {len(local.ignored)} stale record(s) on this node ignored (the agent's log names them)"
         context = ctx.RestartContext(
