@@ -1,8 +1,11 @@
 """`--rdzv-backend=lm_resiliency`: torch's dynamic rendezvous over the c10d store torchrun offers
 (`store_type=file` on one host, `tcp` across hosts), plus what closed-loop recovery needs:
 
-* node identity from the machine id (`derive_torchrun_node_id`); two agents with one identity
-  in one run fail closed;
+* a launch id the agents agree on, new for every launch of a run (launches.py): torch's own
+  rendezvous and every key below live per launch, so a relaunch over a surviving file store
+  never reads an earlier launch's rounds;
+* node identity from the machine id (`derive_torchrun_node_id`); two live agents with one
+  identity in one launch fail closed, a dead agent's identity is taken over;
 * the first `min_nodes` agents are active; later ones park as standbys outside torch's rendezvous
   until an active node has been missing for twice the keep-alive expiry, then join one at a time
   (in torch's redundancy list a standby would join any restart round and could take the slot of
@@ -10,8 +13,10 @@
 * the worker policy digest is agreed run-wide: an agent with different policy bytes fails closed;
 * before each worker generation the agents agree on the checkpoint step it must load (the newest
   step every node's workers recorded as captured; after a fault SCOUT localized, the newest
-  RECOVERY_VERIFIED step) and write it, with the node's slot and the topology digest, to the
-  owner-only restart context the workers read;
+  RECOVERY_VERIFIED step) from the records bound to this run, launch, node and topology (stale
+  ones are ignored, saying why), and write it, with the launch, generation, slot and topology,
+  to the owner-only restart context the workers read; the workers check it against what the
+  agent exports (launch, node, generation, a digest of the bytes);
 * an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
   never to rejoin the run; the parked standby takes the free slot. A hang is recorded on the node
   of the one worker that reported it: its agent publishes the named slots in the store
