@@ -71,7 +71,7 @@ def _documents(doc: dict):
 
 
 @pytest.mark.parametrize("name", sorted(VALID))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_random_documents_are_refused_or_round_trip_exactly(name, data):
     schema, valid, reader, error = VALID[name]
