@@ -515,10 +515,23 @@ class InMemoryCheckpointManager:
         self._release_sources()
         self._plan = None
         try:
-            return self._select(step, allowed_steps)
+            allowed = None if allowed_steps is None else sorted(set(allowed_steps))
+            self._agree_on_request(step, allowed)
+            return self._select(step, allowed)
         except BaseException:
             self._release_sources()  # a slot left pinned here would block a later capture
             raise
+
+    def _agree_on_request(self, step: Optional[int], allowed: Optional[List[int]]) -> None:
+        """Every rank must ask for the same exact step and allowed steps: a rank that recovers
+        another step than its peers would mix two steps in one job."""
+        requests = wire.all_gather_json({"step": step, "allowed": allowed}, self._group)
+        if any(request != requests[0] for request in requests):
+            asked = "; ".join(f"rank {rank}: step {r['step'] if r['step'] is not None else 'newest'}"
+                              + ("" if r["allowed"] is None else f" among {r['allowed']}")
+                              for rank, r in enumerate(requests))
+            raise RecoveryUnavailable(f"GEMINI recovery: the ranks asked for different steps ({asked}); every "
+                                      "rank must request the same step, so nothing is loaded")
 
     def _select(self, step: Optional[int], allowed_steps: Optional[Iterable[int]]) -> Optional[int]:
         report = self._local_availability()

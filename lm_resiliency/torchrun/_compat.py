@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any, Tuple
+from types import FrameType
+from typing import Any, Optional, Tuple
+
+_CALLER_FRAMES = 12
 
 
 def rendezvous_round(handler: Any) -> int:
@@ -43,3 +47,24 @@ def membership(handler: Any) -> Tuple[int, bool, bool]:
         raise RuntimeError("lm_resiliency rendezvous: this torch's DynamicRendezvousHandler state has no "
                            "participants/wait_list/round/closed (written for torch 2.13); standbys cannot wait "
                            "for a lost node") from exc
+
+
+def agent_local_world_size(handler: Any) -> Optional[int]:
+    """The --nproc-per-node (LOCAL_WORLD_SIZE) of the torch elastic agent that calls `handler`, read
+    from the `WorkerSpec` (or `WorkerGroup`) whose `rdzv_handler` is `handler` in the calling
+    frames (torch 2.13's `SimpleElasticAgent._rendezvous` holds it; the rendezvous API does not pass
+    it). None when no such caller is found (the handler was driven by something else)."""
+    try:
+        from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+    except ImportError:
+        return None
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return None
+        for value in list(frame.f_locals.values()):
+            spec = value.spec if isinstance(value, WorkerGroup) else value
+            if isinstance(spec, WorkerSpec) and spec.rdzv_handler is handler:
+                return int(spec.local_world_size)
+        frame = frame.f_back
+    return None

@@ -1,8 +1,11 @@
 """`--rdzv-backend=lm_resiliency`: torch's dynamic rendezvous over the c10d store torchrun offers
 (`store_type=file` on one host, `tcp` across hosts), plus what closed-loop recovery needs:
 
-* node identity from the machine id (`derive_torchrun_node_id`); two agents with one identity
-  in one run fail closed;
+* a launch id the agents agree on, new for every launch of a run (launches.py): torch's own
+  rendezvous and every key below live per launch, so a relaunch over a surviving file store
+  never reads an earlier launch's rounds;
+* node identity from the machine id (`derive_torchrun_node_id`); two live agents with one
+  identity in one launch fail closed, a dead agent's identity is taken over;
 * the first `min_nodes` agents are active; later ones park as standbys outside torch's rendezvous
   until an active node has been missing for twice the keep-alive expiry, then join one at a time
   (in torch's redundancy list a standby would join any restart round and could take the slot of
@@ -10,8 +13,10 @@
 * the worker policy digest is agreed run-wide: an agent with different policy bytes fails closed;
 * before each worker generation the agents agree on the checkpoint step it must load (the newest
   step every node's workers recorded as captured; after a fault SCOUT localized, the newest
-  RECOVERY_VERIFIED step) and write it, with the node's slot and the topology digest, to the
-  owner-only restart context the workers read;
+  RECOVERY_VERIFIED step) from the records bound to this run, launch, node and topology (stale
+  ones are ignored, saying why), and write it, with the launch, generation, slot and topology,
+  to the owner-only restart context the workers read; the workers check it against what the
+  agent exports (launch, node, generation, a digest of the bytes);
 * an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
   never to rejoin the run; the parked standby takes the free slot. A hang is recorded on the node
   of the one worker that reported it: its agent publishes the named slots in the store
@@ -26,28 +31,32 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 import uuid
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, RendezvousHandler, RendezvousInfo,
                                                   RendezvousParameters)
 
+from lm_resiliency.config import RUN_ID_ENV
+from lm_resiliency.files import RecordRejected, encode_record
 from lm_resiliency.torchrun import context as ctx
-from lm_resiliency.torchrun.context import CONTEXT_ENV, POLICY_DIGEST_ENV, POLICY_ENV, topology_digest
-from lm_resiliency.torchrun._compat import leave_rendezvous, membership, rendezvous_round
+from lm_resiliency.torchrun.binding import RoundBinding, StaleLog
+from lm_resiliency.torchrun.context import CONTEXT_ENV, LAUNCH_ENV, NODE_ENV, POLICY_DIGEST_ENV, POLICY_ENV
+from lm_resiliency.torchrun._compat import agent_local_world_size, leave_rendezvous, membership, rendezvous_round
 from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
-                                                check_lease, commit_placement, read_placement, run_store,
-                                                successor_for)
+                                                check_lease, commit_placement, read_placement, successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
-from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
-from lm_resiliency.torchrun.retirement import NodeFault, NodeRetired, acknowledge_fault, read_fault
-from lm_resiliency.torchrun.selection import NodeReport, Selection, SelectionRefused, select_step
+from lm_resiliency.torchrun.launches import LaunchError, LaunchMember, inner_run_id, run_store
+from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
+from lm_resiliency.torchrun.retirement import (FAULT_RECORD, NodeFault, NodeRetired, acknowledge_fault, fault_problem,
+                                               read_fault)
+from lm_resiliency.torchrun.selection import NODE_REPORT, NodeReport, Selection, SelectionRefused, select_step
+from lm_resiliency.torchrun.worker_records import NodeSteps, node_steps
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +68,8 @@ _NO_POLICY = "none"
 _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STANDBY_POLL_S = 1.0
 _STANDBY_MUTEX = "standby/joining"
+_MAX_BEAT_INTERVAL_S = 1.0
+_MAX_REASON = 8192  # a manager's reason is bounded by its own record; the context adds a note
 
 
 class RendezvousRefused(RuntimeError):
@@ -69,7 +80,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
     """The `lm_resiliency` rendezvous handler; built by torchrun from `--rdzv-*` options."""
 
     def __init__(self, params: RendezvousParameters) -> None:
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
         context_path = params.get(CONTEXT_OPTION)
@@ -79,10 +90,11 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self.context_path = context_path
         self.context_dir = os.path.dirname(context_path)
         try:
-            ctx.ensure_private_dir(self.context_dir)
+            ctx.ensure_context_dir(self.context_dir)
         except ctx.ContextError as exc:
             raise RendezvousRefused(str(exc)) from None
         self.node_id = derive_torchrun_node_id()
+        self.run_id = params.run_id
         policy_path = params.get(POLICY_OPTION)
         self.policy_path: Optional[str] = None
         self.policy_digest: Optional[str] = None
@@ -90,8 +102,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             if not os.path.isabs(policy_path):
                 raise RendezvousRefused(f"--rdzv-conf {POLICY_OPTION}={policy_path!r}: must be an absolute path")
             policy = parse_policy(policy_path, read_policy_bytes(policy_path))  # fails closed before joining
+            self._check_run_identity(policy)
             self.policy_path, self.policy_digest = policy_path, policy.digest
-        self.run_id = params.run_id
         managed = params.get(MANAGER_OPTION, "0")
         if managed not in ("0", "1"):
             raise RendezvousRefused(f"--rdzv-conf {MANAGER_OPTION}={managed!r}: expected 0 or 1")
@@ -102,40 +114,75 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         # generation's rank 0 hosts a fresh store instead.
         os.environ[_NO_SHARED_STORE_ENV] = "1"
         self.join_timeout_s = float(params.get_as_int("join_timeout", 600) or 600)
-        # The inner handler admits exactly min_nodes; later agents wait in torch's redundancy list.
-        inner_params = RendezvousParameters(params.backend, params.endpoint, params.run_id, params.min_nodes,
-                                            params.min_nodes, params.local_addr, **params.config)
-        backend, store = create_backend(inner_params)
-        self._inner = create_handler(store, backend, inner_params)
-        self._store: Store = run_store(store, params.run_id)
+        keep_alive_s = float(params.get_as_int("keep_alive_interval", 5) or 5)
+        expiry_s = keep_alive_s * float(params.get_as_int("keep_alive_max_attempt", 3) or 3)
+        # A node must stay missing twice as long as torch takes to declare it dead: an agent that
+        # restarts its workers leaves the round and rejoins, slowly on a loaded host.
+        self._standby_confirm_s = 2.0 * expiry_s
+        _, store = create_backend(RendezvousParameters(params.backend, params.endpoint, params.run_id,
+                                                       params.min_nodes, params.min_nodes, params.local_addr,
+                                                       **params.config))
+        self._raw: Store = store
+        self._run = run_store(store, params.run_id)
+        self._check_not_retired()
+        self._member = LaunchMember(store, params.run_id, self.node_id,
+                                    beat_interval_s=min(_MAX_BEAT_INTERVAL_S, keep_alive_s), expiry_s=expiry_s)
+        try:
+            self.launch_id = self._member.join().launch_id
+        except LaunchError as exc:
+            raise RendezvousRefused(f"{exc}; remove the rendezvous file, or start the run with another --rdzv-id") \
+                from None
+        assert self._member.store is not None
+        self._store: Store = self._member.store
+        # torch's rendezvous state (round, participants, closed) starts afresh in every launch.
+        inner_params = RendezvousParameters(params.backend, params.endpoint, inner_run_id(self.run_id, self.launch_id),
+                                            params.min_nodes, params.min_nodes, params.local_addr, **params.config)
+        self._inner = create_handler(store, C10dRendezvousBackend(store, inner_params.run_id), inner_params)
         self._token = uuid.uuid4().hex
         self._slot: Optional[int] = None
         self._generation: Optional[int] = None
+        self._nodes = 0
+        self._nproc: Optional[int] = None
         self._published: Optional[int] = None  # the generation whose local fault is in the store
         self._retired = False
         self._standby = False
+        self._stale = StaleLog()
         self.min_nodes = params.min_nodes
-        # A node must stay missing twice as long as torch takes to declare it dead: an agent that
-        # restarts its workers leaves the round and rejoins, slowly on a loaded host.
-        self._standby_confirm_s = 2.0 * float(params.get_as_int("keep_alive_interval", 5) or 5) * float(
-            params.get_as_int("keep_alive_max_attempt", 3) or 3)
-        self._register()
+        try:
+            self._register()
+        except BaseException:
+            self._member.stop()
+            raise
         self._export_environment()
-        logger.info("lm_resiliency rendezvous: node %s joins run %r (%d active nodes, up to %d with standbys)",
-                    self.node_id[:12], self.run_id, params.min_nodes, params.max_nodes)
+        logger.info("lm_resiliency rendezvous: node %s joins launch %s of run %r (%d active nodes, up to %d with "
+                    "standbys)", self.node_id[:12], self.launch_id[:12], self.run_id, params.min_nodes,
+                    params.max_nodes)
 
-    def _register(self) -> None:
-        if self._store.check([f"retired/{self.node_id}"]):
-            why = self._store.get(f"retired/{self.node_id}").decode(errors="replace")
+    def _check_run_identity(self, policy: WorkerPolicy) -> None:
+        """GEMINI's run id must be the run the agents agree on: the workers' records, the selected
+        step and the fault records are all keyed by --rdzv-id."""
+        checkpoint = policy.arguments.get("checkpoint")
+        for where, value in ((f"[checkpoint] run_id in {policy.path}", getattr(checkpoint, "run_id", None)),
+                             (f"{RUN_ID_ENV} in the agent's environment", os.environ.get(RUN_ID_ENV))):
+            if value is not None and value != self.run_id:
+                raise RendezvousRefused(
+                    f"{where} is {value!r}, but --rdzv-id is {self.run_id!r}: under --rdzv-backend={BACKEND_NAME} "
+                    "the rendezvous id names the run (GEMINI's files, the selected step and the agents' records are "
+                    f"all keyed by it). Remove the run_id / {RUN_ID_ENV}, or start torchrun with --rdzv-id={value}")
+
+    def _check_not_retired(self) -> None:
+        key = f"retired/{self.node_id}"
+        if self._run.check([key]):
+            why = self._run.get(key).decode(errors="replace")
             raise RendezvousRefused(
                 f"node {self.node_id[:12]} was retired from run {self.run_id!r} ({why}); it may not rejoin this run. "
                 "Repair or replace the machine, then start a new run (--rdzv-id)")
-        holder = self._store.compare_set(f"node/{self.node_id}", "", self._token).decode()
-        if holder != self._token:
-            raise RendezvousRefused(
-                f"node identity {self.node_id[:12]} (from the machine id) is already registered in run "
-                f"{self.run_id!r} by another agent: two agents share one machine id. Give each node its own "
-                "/etc/machine-id (or LM_RESILIENCY_MACHINE_ID_PATH file)")
+
+    def _register(self) -> None:
+        try:
+            self._member.claim_node(self._token)
+        except LaunchError as exc:
+            raise RendezvousRefused(str(exc)) from None
         digest = self.policy_digest or _NO_POLICY
         agreed = self._store.compare_set("policy_digest", "", digest).decode()
         if agreed != digest:
@@ -149,13 +196,23 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                                     f"({MANAGER_OPTION}={agreed}); every node must pass the same value")
 
     def _export_environment(self) -> None:
-        os.environ[CONTEXT_ENV] = self.context_path
+        os.environ.update({CONTEXT_ENV: self.context_path, LAUNCH_ENV: self.launch_id, NODE_ENV: self.node_id})
         if self.policy_path is None:
             return
         os.environ[POLICY_ENV] = self.policy_path
         os.environ[POLICY_DIGEST_ENV] = self.policy_digest or ""
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SHIM_DIR]
         os.environ["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, *paths])
+
+    def _binding(self, generation: int, nodes: int) -> RoundBinding:
+        return RoundBinding(run_id=self.run_id, launch_id=self.launch_id, node_id=self.node_id, generation=generation,
+                            nodes=nodes, nproc_per_node=self._nproc)
+
+    def _check_dir(self) -> None:
+        try:
+            ctx.check_context_dir(self.context_dir)
+        except ctx.ContextError as exc:
+            raise RendezvousRefused(str(exc)) from None
 
     # ----------------------------------------------------------------- RendezvousHandler
 
@@ -167,6 +224,11 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.use_agent_store
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._nproc = agent_local_world_size(self) or self._nproc
+        if not self._member.current():
+            raise RendezvousRefused(f"launch {self.launch_id[:12]} of run {self.run_id!r} was replaced by a newer "
+                                    "launch of the same --rdzv-id while this agent was unresponsive; not starting "
+                                    "another generation of it")
         fault = self._own_fault()
         if fault is None or self._slot not in fault.slots:
             fault = self._named_fault() or fault  # a hang: another node holds the record naming this slot
@@ -233,10 +295,13 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         """The fault this node's workers recorded in the generation that just ended, if any."""
         if self._generation is None:
             return None
+        self._check_dir()
         try:
-            return read_fault(self.context_dir, self.run_id, self._generation)
+            fault, ignored = read_fault(self.context_dir, self._binding(self._generation, self._nodes))
         except ctx.ContextError as exc:
             raise RendezvousRefused(str(exc)) from None
+        self._stale.note(ignored)
+        return fault
 
     def _named_fault(self) -> Optional[NodeFault]:
         """A fault another node recorded in the generation that just ended naming this node's slot
@@ -246,10 +311,16 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         key = f"retire/{self._generation}/{self._slot}"
         if not self._store.check([key]):
             return None
+        where = f"store key {key} of launch {self.launch_id[:12]}"
         try:
-            return NodeFault.from_json(json.loads(self._store.get(key)), f"store key {key}")
-        except (ValueError, ctx.ContextError) as exc:
-            raise RendezvousRefused(f"store key {key}: {exc}") from None
+            fault = NodeFault.parse(self._store.get(key), where)
+        except RecordRejected as exc:
+            raise RendezvousRefused(str(exc)) from None
+        why = fault_problem(fault, self._binding(self._generation, self._nodes))
+        if why is not None:
+            self._stale.note([f"{where}: {why}"])
+            return None
+        return fault
 
     def _publish_fault(self) -> None:
         """From the agent's monitor loop: put the fault this node's workers recorded in the running
@@ -262,42 +333,49 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         if fault is None:
             return
         for slot in fault.slots:
-            self._store.set(f"retire/{generation}/{slot}", json.dumps(fault.to_json()))
-        acknowledge_fault(self.context_dir, generation)
+            self._store.set(f"retire/{generation}/{slot}", encode_record(fault.to_json(), FAULT_RECORD))
+        acknowledge_fault(self.context_dir, self._binding(generation, self._nodes))
         self._published = generation
         logger.warning("lm_resiliency rendezvous: node %s published SCOUT's %s verdict of generation %d: node slots "
                        "%s retire", self.node_id[:12], fault.kind, generation, list(fault.slots))
 
     def _retire(self, why: str) -> None:
-        self._store.set(f"retired/{self.node_id}", why)
+        self._run.set(f"retired/{self.node_id}", why)
         leave_rendezvous(self._inner, self.join_timeout_s)
         self._retired = True
+        self._member.stop()
         logger.warning("lm_resiliency rendezvous: node %s (slot %s) RETIRED from run %r: %s. This agent left the "
                        "rendezvous and exits; it will not rejoin this run, a standby takes its slot",
                        self.node_id[:12], self._slot, self.run_id, why)
         raise NodeRetired()
 
-    def _gather_reports(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault]) -> list:
+    def _gather_reports(self, generation: int, slot: int, nodes: int,
+                        fault: Optional[NodeFault]) -> Tuple[List[NodeReport], NodeSteps]:
         """Publish this node's report for `generation` and read every node's, in slot order; commit
         the round's placement (slots -> node ids)."""
-        local = ctx.node_steps(self.context_dir, self.run_id)
-        report = {"latest": -1 if local is None else local.latest, "verified": -1 if local is None else local.verified,
-                  "fault": None if fault is None else fault.to_json(), "node": self.node_id}
-        self._store.set(f"gen/{generation}/node/{slot}", json.dumps(report))
+        self._check_dir()
+        local = node_steps(self.context_dir, self._binding(generation, nodes))
+        self._stale.note(local.ignored)
+        if local.inherited_from is not None:
+            logger.warning("lm_resiliency rendezvous: node %s resumes from the worker records launch %s of run %r "
+                           "left on this node (same nodes and --nproc-per-node): newest common step %d",
+                           self.node_id[:12], local.inherited_from, self.run_id, local.latest)
+        report = NodeReport(latest=local.latest, verified=local.verified, fault=fault, refused=local.refused,
+                            node_id=self.node_id)
+        self._store.set(f"gen/{generation}/node/{slot}", encode_record(report.to_json(generation, slot), NODE_REPORT))
         keys = [f"gen/{generation}/node/{rank}" for rank in range(nodes)]
         try:
             self._store.wait(keys, timedelta(seconds=self.join_timeout_s))
         except Exception as exc:  # noqa: BLE001 - torch raises several store error types
             raise RendezvousRefused(f"generation {generation}: not every node published its checkpoint step "
                                     f"within {self.join_timeout_s:g}s ({exc})") from exc
-        reports, node_ids = [], []
-        for key in keys:
-            data = json.loads(self._store.get(key))
-            theirs = None if data["fault"] is None else NodeFault.from_json(data["fault"], f"store key {key}")
-            reports.append(NodeReport(data["latest"], data["verified"], theirs))
-            node_ids.append(data["node"])
-        commit_placement(self._store, self.run_id, generation, tuple(node_ids))
-        return reports
+        try:
+            reports = [NodeReport.parse(self._store.get(key), f"store key {key} of launch {self.launch_id[:12]}",
+                                        generation, rank) for rank, key in enumerate(keys)]
+        except RecordRejected as exc:
+            raise RendezvousRefused(f"generation {generation}: {exc}") from None
+        commit_placement(self._store, self.run_id, generation, tuple(r.node_id for r in reports))
+        return reports, local
 
     def _select(self, generation: int, nodes: int, reports: list,
                 successor: Optional[TorchrunSuccessorPlacement]) -> Selection:
@@ -312,12 +390,13 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             raise RendezvousRefused(f"generation {generation}: {exc}") from None
         logger.info("lm_resiliency rendezvous: successor lease of generation %d valid for %.1fs more",
                     generation, remaining)
-        return Selection(successor.checkpoint_step, successor.checkpoint_source, successor.trust,
-                         f"selected by the recovery manager: {successor.reason}", successor.retire_slots)
+        return Selection(step=successor.checkpoint_step, source=successor.checkpoint_source, trust=successor.trust,
+                         reason=f"selected by the recovery manager: {successor.reason}",
+                         retired_slots=successor.retire_slots, refused=())
 
     def _write_context(self, generation: int, slot: int, nodes: int, fault: Optional[NodeFault],
                        successor: Optional[TorchrunSuccessorPlacement]) -> None:
-        reports = self._gather_reports(generation, slot, nodes, fault)
+        reports, local = self._gather_reports(generation, slot, nodes, fault)
         selection = self._select(generation, nodes, reports, successor)
         if selection.source == "none":
             decision = "fresh"
@@ -325,17 +404,22 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
             decision = "replacement"
         else:
             decision = "same-node restart"
-        self._slot, self._generation = slot, generation
+        self._slot, self._generation, self._nodes = slot, generation, nodes
         if self._standby:  # admitted: the next standby may join after the next loss
             self._store.set(_STANDBY_MUTEX, "")
             self._standby = False
-        ctx.write_context(self.context_path, ctx.RestartContext(
-            run_id=self.run_id, node_id=self.node_id, generation=generation, slot=slot, nodes=nodes,
-            topology_digest=topology_digest(self.run_id, nodes), policy_digest=self.policy_digest,
-            checkpoint_step=selection.step, checkpoint_source=selection.source, decision=decision,
-            trust=selection.trust, reason=selection.reason))
+        reason = selection.reason[:_MAX_REASON]
+        if local.ignored:
+            reason += f"; {len(local.ignored)} stale record(s) on this node ignored (the agent's log names them)"
+        context = ctx.RestartContext(
+            run_id=self.run_id, launch_id=self.launch_id, node_id=self.node_id, generation=generation, slot=slot,
+            nodes=nodes, nproc_per_node=self._nproc, topology_digest=ctx.topology_digest(self.run_id, nodes),
+            policy_digest=self.policy_digest, checkpoint_step=selection.step, checkpoint_source=selection.source,
+            decision=decision, trust=selection.trust, reason=reason, refused_steps=selection.refused)
+        # The workers this agent starts next inherit its environment: what they check the file against.
+        os.environ.update(ctx.context_environment(context, ctx.write_context(self.context_path, context)))
         logger.warning("lm_resiliency rendezvous: generation %d, node slot %d of %d: %s, checkpoint step %d (%s)",
-                       generation, slot, nodes, decision, selection.step, selection.reason)
+                       generation, slot, nodes, decision, selection.step, reason)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -348,9 +432,10 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         return self._inner.num_nodes_waiting()
 
     def get_run_id(self) -> str:
-        return self._inner.get_run_id()
+        return self.run_id  # torch's own rendezvous runs under the launch's inner id
 
     def shutdown(self) -> bool:
+        self._member.stop()
         if self._retired:  # closing would end the run for the nodes that go on
             return True
         return self._inner.shutdown()

@@ -24,13 +24,14 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from lm_resiliency.torchrun import context as ctx
+from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.torchrun.context import POLICY_ENV
 from lm_resiliency.torchrun.imports import HIGHER_LEVEL, watch_frameworks, when_imported
 from lm_resiliency.torchrun.policy import WorkerPolicy
 from lm_resiliency.torchrun.retirement import FaultWatch
+from lm_resiliency.torchrun.worker_records import WorkerRecord, write_worker_record
 from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
                                            TorchrunWorkerContext, load_worker_context)
 from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, MegatronWorkerAdapter, NativePyTorchAdapter,
@@ -58,8 +59,8 @@ class WorkerBootstrap:
         self.adapter: Any = None
         self._recorded = (-1, -1)
         self._custom: Any = None
-        self._faults = FaultWatch(context.run_id, context.generation, os.path.dirname(context.context_path),
-                                  context.local_rank, context.local_world_size)
+        self._directory = os.path.dirname(context.context_path)
+        self._faults = FaultWatch(context.binding, self._directory, context.local_rank, context.local_world_size)
 
     @property
     def session(self) -> Any:
@@ -91,6 +92,7 @@ class WorkerBootstrap:
     def _watch(self, adapter: BuiltInWorkerAdapter) -> None:
         adapter.on_step, adapter.fault_callback = self._record, self._faults.on_replay_result
         adapter.oob_fault_callback = self._on_oob_report
+        adapter.on_recovery_refused = self._record_refusal
 
     def _on_oob_report(self, report: Any) -> None:
         """On the monitor thread: a hang SCOUT localized ends this process (retirement.py)."""
@@ -187,9 +189,52 @@ class WorkerBootstrap:
         steps = (session.latest_gemini_step, -1 if verified is None else verified)
         if steps[0] >= 0 and steps != self._recorded:
             self._recorded = steps
-            ctx.write_worker_record(os.path.dirname(self.context.context_path), self.context.local_rank,
-                                    self.context.run_id, steps[0], self.context.local_world_size, steps[1])
+            self._write_record(steps[0], steps[1], ())  # a new capture: earlier refusals are history
         self._faults.after_step(session)
+
+    def _write_record(self, step: int, verified: int, refused: Any) -> None:
+        c = self.context
+        write_worker_record(self._directory, WorkerRecord(binding=c.binding, slot=c.slot, local_rank=c.local_rank,
+                                                          step=step, verified_step=verified,
+                                                          refused_steps=tuple(refused)))
+
+    def _record_refusal(self, session: Any, selected: Optional[int], loaded: Optional[int]) -> None:
+        """This generation could not start from what the agents selected: the step `selected` was
+        not loadable on every rank (or, with `selected` None, GEMINI held state `loaded` of this run
+        while the agents selected a fresh start). Record what every rank can load instead, so the
+        next generation selects that and never `selected` again. Collective: every rank gets here
+        alike (the refusal is collective) and asks GEMINI the same questions."""
+        refused = set(self.context.refused_steps) | ({selected} if selected is not None else set())
+        refused.discard(loaded)  # it just loaded on every rank
+        step, verified = (-1, -1)
+        try:
+            step, verified = self._loadable(session, refused, loaded)
+        finally:
+            self._write_record(step, verified, sorted(refused))
+            logger.error("%sgeneration %d could not start from %s; recorded for the agents: GEMINI can load %s "
+                         "on every rank (refused: %s). The next generation starts from that", PREFIX,
+                         self.context.generation, f"step {selected}" if selected is not None else "a fresh start",
+                         f"step {step}" if step >= 0 else "nothing", sorted(refused) or "none")
+
+    def _loadable(self, session: Any, refused: set, loaded: Optional[int]) -> Tuple[int, int]:
+        """(the newest step every rank can load, the newest RECOVERY_VERIFIED one), -1 for none;
+        never a `refused` step."""
+        manager = session.manager
+        if manager is None:
+            return -1, -1
+        if not manager.steps_seen:  # the refusal came before GEMINI gathered what the ranks hold
+            manager.find_latest(allowed_steps=[])
+        ledger = session.ledger
+        certified = set(ledger.verified_steps()) if ledger is not None else set()
+        candidates = sorted(set(manager.steps_seen) - refused)
+        mode = RecoveryMode(self.policy.arguments.get("recovery_mode") or RecoveryMode.LATEST)
+        if mode is RecoveryMode.RECOVERY_VERIFIED or (ledger is not None and ledger.requires_verified_recovery):
+            candidates = [s for s in candidates if s in certified]
+        latest = loaded if loaded is not None else (manager.find_latest(allowed_steps=candidates)
+                                                    if candidates else None)
+        verified_candidates = [s for s in candidates if s in certified]
+        verified = manager.find_latest(allowed_steps=verified_candidates) if verified_candidates else None
+        return (-1 if latest is None else latest), (-1 if verified is None else verified)
 
     def close(self) -> None:
         if self.adapter is not None:

@@ -1,8 +1,9 @@
 """The restart context: a node-local, owner-only directory that the torchrun agent and its
-workers share. The agent writes `context.json` (who this generation is and which checkpoint step
-it must load) before it starts workers; each worker writes `worker-<local rank>.json` (the newest
-step it has captured completely) while it trains. Everything is schema-checked JSON written by
-atomic rename; anything else fails closed."""
+workers share, and `context.json` in it: who one worker generation is (run, launch, node,
+generation, slot, topology) and which checkpoint step it must load. The agent writes it before it
+starts the generation's workers and exports what they check it against (the launch, node and
+generation, and a digest of the exact bytes) in the environment they inherit, so a worker never
+trusts the file alone. Every record here is read through the record layer (files.py)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,40 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-from lm_resiliency._values import is_int
-from lm_resiliency.files import atomic_write, loads_strict_json
+from lm_resiliency.files import (PRIVATE, RecordRejected, RecordSchema, array, atomic_write, check_private_dir,
+                                 check_record, encode_record, ensure_private_dir, integer, nullable, parse_record,
+                                 read_file_bytes, text)
 
 # What the agent hands its workers (they inherit its environment).
 CONTEXT_ENV = "LM_RESILIENCY_TORCHRUN_CONTEXT"
 POLICY_ENV = "LM_RESILIENCY_TORCHRUN_POLICY"
 POLICY_DIGEST_ENV = "LM_RESILIENCY_TORCHRUN_POLICY_DIGEST"
-CONTEXT_SCHEMA = "lm-resiliency-torchrun-context/2"
-RECORD_SCHEMA = "lm-resiliency-torchrun-worker/2"
+LAUNCH_ENV = "LM_RESILIENCY_TORCHRUN_LAUNCH_ID"
+NODE_ENV = "LM_RESILIENCY_TORCHRUN_NODE_ID"
+GENERATION_ENV = "LM_RESILIENCY_TORCHRUN_GENERATION"
+CONTEXT_DIGEST_ENV = "LM_RESILIENCY_TORCHRUN_CONTEXT_DIGEST"
+CONTEXT_SCHEMA = "lm-resiliency-torchrun-context/3"
+CONTEXT_DIR = "restart-context directory"
 # What a generation's checkpoint step was selected from (GEMINI guide, recovery trust).
 TRUST_LATEST = "latest"
 TRUST_VERIFIED = "recovery_verified"
-_MAX_BYTES = 64 * 1024
+SOURCES = ("none", "gemini")
+DECISIONS = ("fresh", "same-node restart", "replacement")
+MAX_STEPS_LISTED = 1024
+
+ID = text(max_length=64)
+RUN_ID = text(max_length=1024)
+STEPS = array(integer(0), max_length=MAX_STEPS_LISTED)
+
+CONTEXT_RECORD = RecordSchema(what="restart context", identity=("schema", CONTEXT_SCHEMA), fields={
+    "run_id": RUN_ID, "launch_id": ID, "node_id": ID, "generation": integer(0), "slot": integer(0),
+    "nodes": integer(1), "nproc_per_node": nullable(integer(1)), "topology_digest": ID,
+    "policy_digest": nullable(ID), "checkpoint_step": integer(0), "checkpoint_source": text(choices=SOURCES),
+    "decision": text(choices=DECISIONS), "trust": text(choices=(TRUST_LATEST, TRUST_VERIFIED)),
+    "reason": text(nonempty=False, max_length=16384), "refused_steps": STEPS})
 
 
 def topology_digest(run_id: str, nodes: int) -> str:
@@ -35,153 +53,123 @@ def topology_digest(run_id: str, nodes: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-class ContextError(RuntimeError):
-    """The restart context is missing, unsafe, corrupt or from another run/topology."""
+class ContextError(RecordRejected):
+    """The restart context or a record beside it is missing, unsafe, corrupt, or of another run,
+    launch, node, generation or topology."""
 
 
-def ensure_private_dir(directory: str) -> None:
-    """Create `directory` owner-only (0700), or accept an existing one only when this user owns it
-    and neither group nor others have any access. Never changes existing permissions."""
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=False)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise ContextError(f"cannot create the restart-context directory {directory}: {exc.strerror or exc}") from None
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode):
-        raise ContextError(f"restart-context directory {directory} is not a directory (a link or a file); "
-                           "point lm_resiliency_restart_context_path into a directory this user owns")
-    if info.st_uid != os.geteuid():
-        raise ContextError(f"restart-context directory {directory} is owned by uid {info.st_uid}, not this user "
-                           f"(uid {os.geteuid()}); refusing to use it. Use a directory this user owns")
-    if info.st_mode & 0o077:
-        raise ContextError(f"restart-context directory {directory} has mode {stat.S_IMODE(info.st_mode):04o}: "
-                           "group/other access is not allowed. It is not changed for you; chmod 700 it or "
-                           "use another directory")
+def ensure_context_dir(directory: str) -> None:
+    """The restart-context directory, created owner-only, or an existing one only when it is safe."""
+    ensure_private_dir(directory, CONTEXT_DIR, error=ContextError)
 
 
-@dataclass(frozen=True)
+def check_context_dir(directory: str) -> None:
+    """Before trusting anything inside: the directory is still this user's and owner-only."""
+    check_private_dir(directory, CONTEXT_DIR, error=ContextError)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RestartContext:
     """What one worker generation runs as (written by the agent, read by the worker bootstrap)."""
 
     run_id: str
+    """The run (`--rdzv-id`)."""
+    launch_id: str
+    """The launch of the run the agents agreed on (new for every torchrun launch)."""
     node_id: str
+    """The hashed node identity of the agent that wrote it."""
     generation: int
+    """The rendezvous round (restarts at 0 in every launch)."""
     slot: int
+    """This node's slot (torchrun's GROUP_RANK) in the round."""
     nodes: int
+    """How many nodes train in the round."""
+    nproc_per_node: Optional[int]
+    """The agent's --nproc-per-node (LOCAL_WORLD_SIZE); None when the agent could not learn it."""
     topology_digest: str
+    """`topology_digest(run_id, nodes)`."""
     policy_digest: Optional[str]
+    """SHA-256 of the worker policy bytes agreed at rendezvous (None: no policy)."""
     checkpoint_step: int
-    checkpoint_source: str  # "none" (start fresh) or "gemini"
-    decision: str  # this node's part: "fresh", "same-node restart", "replacement"
-    # "latest" capture, or "recovery_verified" (after SDC or a hang SCOUT localized); and why this
-    # step, in words (which fault, which slot retired, who selected it).
-    trust: str = dataclasses.field(default=TRUST_LATEST, kw_only=True)
-    reason: str = dataclasses.field(default="", kw_only=True)
+    """The step to load exactly (0 with source "none")."""
+    checkpoint_source: str
+    """"none" (start fresh) or "gemini"."""
+    decision: str
+    """This node's part: "fresh", "same-node restart" or "replacement"."""
+    trust: str = TRUST_LATEST
+    """"latest" capture, or "recovery_verified" (after SDC or a hang SCOUT localized)."""
+    reason: str = ""
+    """Why this step, in words (which fault, which slot retired, who selected it, what was ignored)."""
+    refused_steps: Tuple[int, ...] = ()
+    """Steps an earlier generation of this run was told to load and could not: never selected again
+    until a new capture is recorded."""
 
     def to_json(self) -> Dict[str, Any]:
-        return dict(dataclasses.asdict(self), schema=CONTEXT_SCHEMA)
+        return dict(dataclasses.asdict(self), refused_steps=list(self.refused_steps), schema=CONTEXT_SCHEMA)
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "RestartContext":
-        if not isinstance(data, dict) or data.get("schema") != CONTEXT_SCHEMA:
-            raise ContextError(f"{where}: not a restart context (schema {CONTEXT_SCHEMA})")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(data) - {"schema"} != names:
-            raise ContextError(f"{where}: fields {sorted(set(data) - {'schema'})} differ from {sorted(names)}")
-        for name in ("generation", "slot", "nodes", "checkpoint_step"):
-            if not is_int(data[name]) or data[name] < 0:
-                raise ContextError(f"{where}: {name} must be a non-negative integer, got {data[name]!r}")
-        for name in ("run_id", "node_id", "topology_digest", "checkpoint_source", "decision"):
-            if not isinstance(data[name], str) or not data[name]:
-                raise ContextError(f"{where}: {name} must be a non-empty string")
-        if not isinstance(data["reason"], str):
-            raise ContextError(f"{where}: reason must be a string")
-        if data["checkpoint_source"] not in ("none", "gemini"):
-            raise ContextError(f"{where}: checkpoint_source must be 'none' or 'gemini'")
-        if data["trust"] not in (TRUST_LATEST, TRUST_VERIFIED):
-            raise ContextError(f"{where}: trust must be {TRUST_LATEST!r} or {TRUST_VERIFIED!r}")
-        return cls(**{name: data[name] for name in names})
+        doc = check_record(data, CONTEXT_RECORD, where, error=ContextError)
+        if doc["slot"] >= doc["nodes"]:
+            raise ContextError(f"{where}: slot {doc['slot']} is not below nodes {doc['nodes']}")
+        if doc["checkpoint_source"] == "none" and doc["checkpoint_step"] != 0:
+            raise ContextError(f"{where}: checkpoint_source 'none' (fresh) with checkpoint_step "
+                               f"{doc['checkpoint_step']}")
+        values = {k: v for k, v in doc.items() if k != "schema"}
+        return cls(**dict(values, refused_steps=tuple(values["refused_steps"])))
 
 
-def read_json(path: str) -> Any:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                 | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ContextError(f"{path}: not a regular file")
-        data = f.read(_MAX_BYTES + 1)
-    if len(data) > _MAX_BYTES:
-        raise ContextError(f"{path}: larger than {_MAX_BYTES} bytes")
-    try:
-        return loads_strict_json(data.decode("utf-8"))
-    except ValueError as exc:
-        raise ContextError(f"{path}: not valid JSON: {exc}") from None
+def context_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def write_context(path: str, context: RestartContext) -> None:
-    atomic_write(path, encode_json(context.to_json()))
+def write_context(path: str, context: RestartContext) -> str:
+    """Publish `context` at `path` (0600, atomic); the digest of the bytes written."""
+    data = encode_record(context.to_json(), CONTEXT_RECORD)
+    atomic_write(path, data)
+    return context_digest(data)
 
 
-def read_context(path: str) -> RestartContext:
-    try:
-        return RestartContext.from_json(read_json(path), path)
-    except OSError as exc:
-        raise ContextError(f"cannot read the restart context {path}: {exc.strerror or exc}") from None
+def read_context(path: str) -> Tuple[RestartContext, str]:
+    """The context at `path` and the digest of its bytes, after the file checks (a regular file
+    this user owns with no group/other access, never through a link)."""
+    data = read_file_bytes(path, "restart context", max_bytes=CONTEXT_RECORD.max_bytes, trust=PRIVATE,
+                           error=ContextError)
+    if data is None:
+        raise ContextError(f"{path}: the restart context does not exist (the agent writes it before it starts "
+                           "the workers)")
+    doc = parse_record(data, CONTEXT_RECORD, path, error=ContextError)
+    return RestartContext.from_json(doc, path), context_digest(data)
 
 
-def encode_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True).encode("utf-8")
+def context_environment(context: RestartContext, digest: str) -> Mapping[str, str]:
+    """What the agent exports for the generation's workers to check the file against."""
+    return {LAUNCH_ENV: context.launch_id, NODE_ENV: context.node_id, GENERATION_ENV: str(context.generation),
+            CONTEXT_DIGEST_ENV: digest}
 
 
-def record_path(directory: str, local_rank: int) -> str:
-    return os.path.join(directory, f"worker-{local_rank}.json")
-
-
-def write_worker_record(directory: str, local_rank: int, run_id: str, step: int, local_world_size: int,
-                        verified_step: int) -> None:
-    """A worker's newest completely captured step and newest RECOVERY_VERIFIED step (-1: none),
-    the agent's input for the next generation."""
-    atomic_write(record_path(directory, local_rank),
-                 encode_json({"schema": RECORD_SCHEMA, "run_id": run_id, "step": step,
-                          "local_world_size": local_world_size, "verified_step": verified_step}))
-
-
-@dataclass(frozen=True)
-class NodeSteps:
-    """What a node's workers recorded: the newest step all of them captured, and the newest
-    RECOVERY_VERIFIED step all of them hold (-1: some worker knows none)."""
-
-    latest: int
-    verified: int
-
-
-def read_worker_steps(directory: str, run_id: str) -> List[NodeSteps]:
-    """Every worker record of `run_id` in `directory` (empty: none yet). A record of another run
-    is ignored; a corrupt one fails closed."""
-    records = []
-    for name in sorted(os.listdir(directory)):
-        if not (name.startswith("worker-") and name.endswith(".json")):
-            continue
-        path = os.path.join(directory, name)
-        data = read_json(path)
-        if not isinstance(data, dict) or data.get("schema") != RECORD_SCHEMA or set(data) != {
-                "schema", "run_id", "step", "local_world_size", "verified_step"}:
-            raise ContextError(f"{path}: not a worker record ({RECORD_SCHEMA})")
-        if data["run_id"] != run_id:
-            continue
-        if not is_int(data["step"]) or data["step"] < 0:
-            raise ContextError(f"{path}: step must be a non-negative integer")
-        if not is_int(data["verified_step"]) or data["verified_step"] < -1:
-            raise ContextError(f"{path}: verified_step must be -1 (none) or a non-negative step")
-        records.append(NodeSteps(data["step"], data["verified_step"]))
-    return records
-
-
-def node_steps(directory: str, run_id: str) -> Optional[NodeSteps]:
-    """The newest steps every local worker of `run_id` recorded (min over records), or None."""
-    records = read_worker_steps(directory, run_id)
-    if not records:
-        return None
-    return NodeSteps(min(r.latest for r in records), min(r.verified for r in records))
+def checked_context(path: str, env: Mapping[str, str]) -> RestartContext:
+    """The worker's side: the context at `path` only when its directory and file are safe and it is
+    exactly what this worker's agent wrote for this worker's run, launch, node, generation, slot and
+    topology (from the environment torchrun and the agent gave the worker). ContextError otherwise."""
+    check_context_dir(os.path.dirname(os.path.abspath(path)))
+    context, digest = read_context(path)
+    expected = {"run_id": env.get("TORCHELASTIC_RUN_ID"), "launch_id": env.get(LAUNCH_ENV),
+                "node_id": env.get(NODE_ENV), "generation": env.get(GENERATION_ENV)}
+    names = {"run_id": "TORCHELASTIC_RUN_ID", "launch_id": LAUNCH_ENV, "node_id": NODE_ENV,
+             "generation": GENERATION_ENV}
+    for field, value in expected.items():
+        if value is None:
+            raise ContextError(f"{names[field]} is not set: this worker was not started by an lm_resiliency "
+                               "rendezvous agent of this version")
+        held = getattr(context, field)
+        if str(held) != value:
+            raise ContextError(f"restart context {path} is for {field.replace('_', ' ')} {held!r}, but this worker "
+                               f"belongs to {value!r} ({names[field]}): a stale or copied context; not using it")
+    if context.topology_digest != topology_digest(context.run_id, context.nodes):
+        raise ContextError(f"restart context {path}: topology digest does not match its run and width")
+    if env.get(CONTEXT_DIGEST_ENV) != digest:
+        raise ContextError(f"restart context {path} is not the one the agent wrote for generation "
+                           f"{context.generation} (its bytes changed since: digest {digest[:12]}, the agent's "
+                           f"{str(env.get(CONTEXT_DIGEST_ENV))[:12]}); not using it")
+    return context

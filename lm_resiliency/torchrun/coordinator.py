@@ -11,13 +11,13 @@ sequence advance with time remaining, measured on its own monotonic clock (no wa
 comparison between hosts). A successor never published, or a lease that stopped or ran out,
 stops the agent with RendezvousRefused.
 
-Store keys (under `lm_resiliency/<run id>/`): `placement/initial`, `gen/<g>/placement`,
-`successor/<g>`, `lease/<g>`.
+Store keys, under the running launch's part of the store (`lm_resiliency/<run id>/launch/<launch
+id>/`, launches.py; the coordinator finds the launch whose agents are alive): `placement/initial`,
+`gen/<g>/placement`, `successor/<g>`, `lease/<g>`. Every document is read through the record layer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -26,10 +26,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, Optional, Tuple
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import Store
 
 from lm_resiliency._values import is_int
-from lm_resiliency.torchrun.context import TRUST_LATEST, TRUST_VERIFIED, topology_digest
+from lm_resiliency.files import (RecordRejected, RecordSchema, array, check_record, encode_record, integer, number,
+                                 parse_record, text)
+from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_LATEST, TRUST_VERIFIED, topology_digest
+from lm_resiliency.torchrun.launches import Launch, LaunchError, inner_run_id, launch_store, live_launch
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +40,35 @@ MANAGER_OPTION = "lm_resiliency_manager"
 SUCCESSOR_SCHEMA = "lm-resiliency-torchrun-successor/1"
 PLACEMENT_SCHEMA = "lm-resiliency-torchrun-placement/1"
 _SOURCES = ("gemini", "none")
-
-
-def run_store(store: Store, run_id: str) -> Store:
-    """The part of the rendezvous store the `lm_resiliency` backend and the coordinator share."""
-    return PrefixStore(f"lm_resiliency/{run_id}/", store)
+_SECONDS = number(None, None)
 
 
 class TorchrunCoordinatorError(RuntimeError):
     """A coordinator operation failed (bad request, second publication, lost lease store)."""
+
+
+class _Rejected(RecordRejected):
+    pass
+
+
+PLACEMENT_RECORD = RecordSchema(what="placement record", identity=("schema", PLACEMENT_SCHEMA), fields={
+    "run_id": RUN_ID, "generation": integer(0), "nodes": integer(1), "node_ids": array(ID, nonempty=True),
+    "topology_digest": ID})
+# Ranges are the successor's own rules (`_successor_problem`), which name the field in words.
+SUCCESSOR_RECORD = RecordSchema(what="successor placement", identity=("schema", SUCCESSOR_SCHEMA), fields={
+    "run_id": RUN_ID, "generation": integer(None), "kind": text(), "retire_slots": array(integer(None)),
+    "checkpoint_step": integer(None), "checkpoint_source": text(), "trust": text(), "reason": text(nonempty=False,
+                                                                                                   max_length=16384),
+    "nodes": integer(None), "topology_digest": text(nonempty=False, max_length=64), "deadline_s": _SECONDS,
+    "renew_interval_s": _SECONDS, "publication": text(nonempty=False, max_length=64)})
+LEASE_RECORD = RecordSchema(what="lease", fields={"sequence": integer(0), "remaining_s": number(0.0)})
+
+
+def _parse(data: Any, schema: RecordSchema, where: str) -> Dict[str, Any]:
+    try:
+        return parse_record(data, schema, where, error=_Rejected)
+    except _Rejected as exc:
+        raise TorchrunCoordinatorError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -98,13 +121,12 @@ class TorchrunSuccessorPlacement:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "TorchrunSuccessorPlacement":
-        names = [f.name for f in cls.__dataclass_fields__.values()]
-        if not isinstance(data, dict) or data.get("schema") != SUCCESSOR_SCHEMA or set(data) != {"schema", *names}:
-            raise TorchrunCoordinatorError(f"{where}: not a successor placement ({SUCCESSOR_SCHEMA})")
-        values = dict(data)
-        del values["schema"]
-        values["retire_slots"] = tuple(values["retire_slots"]) if isinstance(values["retire_slots"], list) else None
-        placement = cls(**values)
+        try:
+            doc = check_record(data, SUCCESSOR_RECORD, where, error=_Rejected)
+        except _Rejected as exc:
+            raise TorchrunCoordinatorError(str(exc)) from None
+        values = {k: v for k, v in doc.items() if k != "schema"}
+        placement = cls(**dict(values, retire_slots=tuple(values["retire_slots"])))
         problem = _successor_problem(placement)
         if problem:
             raise TorchrunCoordinatorError(f"{where}: {problem}")
@@ -136,34 +158,26 @@ def _successor_problem(p: TorchrunSuccessorPlacement) -> str:
     return ""
 
 
-def _placement_json(placement: TorchrunInitialPlacement) -> str:
-    return json.dumps(dict(asdict(placement), node_ids=list(placement.node_ids), schema=PLACEMENT_SCHEMA),
-                      sort_keys=True)
+def _placement_json(placement: TorchrunInitialPlacement) -> bytes:
+    return encode_record(dict(asdict(placement), node_ids=list(placement.node_ids), schema=PLACEMENT_SCHEMA),
+                         PLACEMENT_RECORD)
 
 
 def commit_placement(store: Store, run_id: str, generation: int, node_ids: Tuple[str, ...]) -> None:
-    """Agents: record round `generation`'s slots -> node ids; the first one is the initial placement."""
+    """Agents: record round `generation`'s slots -> node ids in their launch's part of the store
+    (`store`); the first one is the initial placement."""
     text = _placement_json(TorchrunInitialPlacement(run_id, generation, len(node_ids), node_ids,
                                                     topology_digest(run_id, len(node_ids))))
     store.set(f"gen/{generation}/placement", text)
     store.compare_set("placement/initial", "", text)
 
 
-def _json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise TorchrunCoordinatorError(f"{where}: not valid JSON ({exc})") from None
-
-
-def read_placement(text: str) -> TorchrunInitialPlacement:
-    data = _json(text, "placement record")
-    names = {"run_id", "generation", "nodes", "node_ids", "topology_digest"}
-    if not isinstance(data, dict) or data.pop("schema", None) != PLACEMENT_SCHEMA or set(data) != names \
-            or not isinstance(data["node_ids"], list) or not is_int(data["generation"]) \
-            or data["nodes"] != len(data["node_ids"]):
-        raise TorchrunCoordinatorError(f"not a placement record ({PLACEMENT_SCHEMA})")
-    return TorchrunInitialPlacement(**dict(data, node_ids=tuple(data["node_ids"])))
+def read_placement(data: Any, where: str = "placement record") -> TorchrunInitialPlacement:
+    doc = _parse(data, PLACEMENT_RECORD, where)
+    if doc["nodes"] != len(doc["node_ids"]):
+        raise TorchrunCoordinatorError(f"{where}: nodes {doc['nodes']} but {len(doc['node_ids'])} node ids")
+    return TorchrunInitialPlacement(doc["run_id"], doc["generation"], doc["nodes"], tuple(doc["node_ids"]),
+                                    doc["topology_digest"])
 
 
 class TorchrunRecoveryCoordinator:
@@ -183,7 +197,8 @@ class TorchrunRecoveryCoordinator:
         self.renew_interval_s = float(renew_interval_s)
         self.failure_tolerance_s = float(failure_tolerance_s)
         self._raw = store
-        self._store = run_store(store, run_id)
+        self._launch: Optional[Launch] = None
+        self._launch_store: Optional[Store] = None
         self._lock = threading.Lock()  # one store operation at a time (the lease thread shares it)
         self._error: Optional[TorchrunCoordinatorError] = None
         self._stop = threading.Event()
@@ -212,10 +227,31 @@ class TorchrunRecoveryCoordinator:
         if self._error is not None:
             raise self._error
 
+    @property
+    def launch_id(self) -> Optional[str]:
+        """The launch of the run this coordinator manages (None until it found a live one)."""
+        return None if self._launch is None else self._launch.launch_id
+
+    def _store_of_launch(self, timeout_s: float) -> Store:
+        """The running launch's part of the store: found once (the launch whose agents beat), then kept."""
+        if self._launch_store is None:
+            try:
+                self._launch = live_launch(self._raw, self.run_id, timeout_s)
+            except LaunchError as exc:
+                raise TorchrunCoordinatorError(str(exc)) from None
+            self._launch_store = launch_store(self._raw, self.run_id, self._launch.launch_id)
+            logger.info("lm_resiliency coordinator: managing launch %s of run %r", self._launch.launch_id[:12],
+                        self.run_id)
+        return self._launch_store
+
     def initial_placement(self, timeout_s: float = 300.0) -> TorchrunInitialPlacement:
-        """The committed generation-0 placement (waits up to `timeout_s` for the agents to commit it)."""
+        """The committed generation-0 placement of the running launch (waits up to `timeout_s` for
+        the agents to start and commit it)."""
         self.check_health()
-        return read_placement(self._wait_get("placement/initial", timeout_s))
+        deadline = time.monotonic() + timeout_s
+        store = self._store_of_launch(timeout_s)
+        key = "placement/initial"
+        return read_placement(self._wait_get(store, key, max(0.0, deadline - time.monotonic())), f"store key {key}")
 
     def publish_successor(self, request: TorchrunRecoveryRequest) -> TorchrunSuccessorPlacement:
         """Publish the successor for round `request.generation` (once: a second publication for the
@@ -237,13 +273,14 @@ class TorchrunRecoveryCoordinator:
             problem = f"generation {placement.generation} is not after the initial generation {initial.generation}"
         if problem:
             raise TorchrunCoordinatorError(f"TorchrunRecoveryRequest: {problem}")
-        text = json.dumps(placement.to_json(), sort_keys=True)
+        text = encode_record(placement.to_json(), SUCCESSOR_RECORD).decode()
+        store = self._store_of_launch(0.0)
         with self._lock:
-            held = self._store.compare_set(f"successor/{placement.generation}", "", text).decode()
+            held = store.compare_set(f"successor/{placement.generation}", "", text).decode()
         if held != text:
             raise TorchrunCoordinatorError(f"a successor for generation {placement.generation} of run {self.run_id!r} "
                                            "is already published; successors are immutable")
-        self._start_lease(placement)
+        self._start_lease(store, placement)
         logger.warning("lm_resiliency coordinator: published %s successor generation %d of run %r: step %d (%s), "
                        "retiring slots %s, deadline %gs", placement.kind, placement.generation, self.run_id,
                        placement.checkpoint_step, placement.trust, list(placement.retire_slots), placement.deadline_s)
@@ -256,8 +293,11 @@ class TorchrunRecoveryCoordinator:
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-        params = RendezvousParameters("c10d", "", self.run_id, 1, 1)
-        create_handler(self._raw, C10dRendezvousBackend(self._raw, self.run_id), params).set_closed()
+        self._store_of_launch(0.0)
+        assert self._launch is not None
+        inner = inner_run_id(self.run_id, self._launch.launch_id)  # torch's rendezvous of this launch
+        params = RendezvousParameters("c10d", "", inner, 1, 1)
+        create_handler(self._raw, C10dRendezvousBackend(self._raw, inner), params).set_closed()
 
     def close(self) -> None:
         """Stop renewing the lease (agents then refuse the generation once they see it stopped)."""
@@ -273,25 +313,25 @@ class TorchrunRecoveryCoordinator:
 
     # ---------------------------------------------------------------------- lease
 
-    def _wait_get(self, key: str, timeout_s: float) -> str:
+    def _wait_get(self, store: Store, key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                if self._store.check([key]):
-                    return self._store.get(key).decode()
+                if store.check([key]):
+                    return store.get(key)
             if time.monotonic() >= deadline:
                 raise TorchrunCoordinatorError(f"run {self.run_id!r} has no {key} in the rendezvous store after "
                                                f"{timeout_s:g}s: have the agents formed the first generation?")
             time.sleep(0.2)
 
-    def _start_lease(self, placement: TorchrunSuccessorPlacement) -> None:
+    def _start_lease(self, store: Store, placement: TorchrunSuccessorPlacement) -> None:
         self.close()  # a newer successor supersedes the previous lease
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, args=(placement, self._stop), daemon=True,
+        self._thread = threading.Thread(target=self._renew, args=(store, placement, self._stop), daemon=True,
                                         name=f"lm-resiliency-lease-{placement.generation}")
         self._thread.start()
 
-    def _renew(self, placement: TorchrunSuccessorPlacement, stop: threading.Event) -> None:
+    def _renew(self, store: Store, placement: TorchrunSuccessorPlacement, stop: threading.Event) -> None:
         start = last_ok = time.monotonic()
         key, sequence = f"lease/{placement.generation}", 0
         while True:
@@ -299,7 +339,8 @@ class TorchrunRecoveryCoordinator:
             sequence += 1
             try:
                 with self._lock:
-                    self._store.set(key, json.dumps({"sequence": sequence, "remaining_s": max(remaining, 0.0)}))
+                    store.set(key, encode_record({"sequence": sequence, "remaining_s": max(remaining, 0.0)},
+                                                 LEASE_RECORD))
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - store clients raise several types; retried
                 if time.monotonic() - last_ok > self.failure_tolerance_s:
@@ -322,7 +363,8 @@ def successor_for(store: Store, run_id: str, generation: int, timeout_s: float) 
     except Exception as exc:  # noqa: BLE001 - torch raises several store error types
         raise TorchrunCoordinatorError(f"run {run_id!r} is managed ({MANAGER_OPTION}=1) and no successor for "
                                        f"generation {generation} was published within {timeout_s:g}s") from exc
-    placement = TorchrunSuccessorPlacement.from_json(_json(store.get(key).decode(), key), f"store key {key}")
+    where = f"store key {key}"
+    placement = TorchrunSuccessorPlacement.from_json(_parse(store.get(key), SUCCESSOR_RECORD, where), where)
     if placement.run_id != run_id or placement.generation != generation:
         raise TorchrunCoordinatorError(f"store key {key}: the successor names run {placement.run_id!r} generation "
                                        f"{placement.generation}")
@@ -338,11 +380,8 @@ def check_lease(store: Store, placement: TorchrunSuccessorPlacement) -> float:
     first: Optional[int] = None
     while time.monotonic() < limit:
         if store.check([key]):
-            lease = _json(store.get(key).decode(), key)
+            lease = _parse(store.get(key), LEASE_RECORD, f"store key {key}")
             seen = time.monotonic()
-            if not isinstance(lease, dict) or set(lease) != {"sequence", "remaining_s"} \
-                    or not is_int(lease["sequence"]) or not isinstance(lease["remaining_s"], (int, float)):
-                raise TorchrunCoordinatorError(f"store key {key}: not a lease (sequence, remaining_s)")
             if first is None:
                 first = lease["sequence"]
             elif lease["sequence"] != first:

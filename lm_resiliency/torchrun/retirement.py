@@ -19,24 +19,34 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from lm_resiliency._values import is_int
-from lm_resiliency.files import atomic_write
+from lm_resiliency.files import (PRIVATE, RecordRejected, RecordSchema, array, atomic_write, check_record,
+                                 encode_record, integer, parse_record, read_record, text)
 from lm_resiliency.scout.reports import HANG, SCOPE_RANK
-from lm_resiliency.torchrun.context import TRUST_VERIFIED, ContextError, RestartContext, encode_json, read_json
+from lm_resiliency.torchrun.binding import RoundBinding, foreign
+from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_VERIFIED, ContextError, RestartContext
 
 logger = logging.getLogger(__name__)
 
-FAULT_SCHEMA = "lm-resiliency-torchrun-fault/1"
+FAULT_SCHEMA = "lm-resiliency-torchrun-fault/2"
+ACK_SCHEMA = "lm-resiliency-torchrun-fault-ack/1"
 FAULT_KINDS = ("sdc", "hang")
-ACK_NAME = "published-fault.json"  # the agent's {"generation": g}: this node's fault of g is in the store
+ACK_NAME = "published-fault.json"  # the agent's: this node's fault of a generation is in the store
 HANG_EXIT_CODE = 87  # the reporting worker ended its process after a hang report
 ACK_TIMEOUT_S = 60.0
 _ACK_POLL_S = 0.1
+_FAULT_NAME = re.compile(r"fault-\d{1,6}\.json")
+
+FAULT_RECORD = RecordSchema(what="fault record", identity=("schema", FAULT_SCHEMA), fields={
+    "run_id": RUN_ID, "launch_id": ID, "node_id": ID, "generation": integer(0), "kind": text(choices=FAULT_KINDS),
+    "ranks": array(integer(0)), "slots": array(integer(0)), "step": integer(0), "verified_step": integer(-1)})
+ACK_RECORD = RecordSchema(what="fault acknowledgement", identity=("schema", ACK_SCHEMA), fields={
+    "run_id": RUN_ID, "launch_id": ID, "node_id": ID, "generation": integer(0)})
 
 
 class TorchrunFaultDetected(RuntimeError):
@@ -52,12 +62,15 @@ class NodeRetired(SystemExit):
         super().__init__(0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NodeFault:
-    """A fault SCOUT localized in `generation`: global `ranks`, their node `slots` (rank //
-    LOCAL_WORLD_SIZE), the step it was found at, and the newest RECOVERY_VERIFIED step (-1: none)."""
+    """A fault SCOUT localized in `generation` of launch `launch_id`, recorded on node `node_id`:
+    global `ranks`, their node `slots` (rank // LOCAL_WORLD_SIZE), the step it was found at, and the
+    newest RECOVERY_VERIFIED step (-1: none)."""
 
     run_id: str
+    launch_id: str
+    node_id: str
     generation: int
     kind: str
     ranks: Tuple[int, ...]
@@ -66,37 +79,33 @@ class NodeFault:
     verified_step: int
 
     def to_json(self) -> dict:
-        return {"schema": FAULT_SCHEMA, "run_id": self.run_id, "generation": self.generation, "kind": self.kind,
-                "ranks": list(self.ranks), "slots": list(self.slots), "step": self.step,
-                "verified_step": self.verified_step}
+        return {"schema": FAULT_SCHEMA, "run_id": self.run_id, "launch_id": self.launch_id, "node_id": self.node_id,
+                "generation": self.generation, "kind": self.kind, "ranks": list(self.ranks),
+                "slots": list(self.slots), "step": self.step, "verified_step": self.verified_step}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> "NodeFault":
-        names = ("run_id", "generation", "kind", "ranks", "slots", "step", "verified_step")
-        if not isinstance(data, dict) or data.get("schema") != FAULT_SCHEMA or set(data) != {"schema", *names}:
-            raise ContextError(f"{where}: not a fault record ({FAULT_SCHEMA})")
-        if not isinstance(data["run_id"], str) or data["kind"] not in FAULT_KINDS:
-            raise ContextError(f"{where}: run_id must be a string and kind one of {FAULT_KINDS}")
-        for name in ("generation", "step"):
-            if not is_int(data[name]) or data[name] < 0:
-                raise ContextError(f"{where}: {name} must be a non-negative integer")
-        if not is_int(data["verified_step"]) or data["verified_step"] < -1:
-            raise ContextError(f"{where}: verified_step must be -1 (none) or a non-negative step")
+        doc = check_record(data, FAULT_RECORD, where, error=ContextError)
         for name in ("ranks", "slots"):
-            values = data[name]
-            if not isinstance(values, list) or not all(is_int(v) and v >= 0 for v in values) \
-                    or values != sorted(set(values)):
+            if doc[name] != sorted(set(doc[name])):
                 raise ContextError(f"{where}: {name} must be a sorted list of distinct non-negative integers")
-        return cls(data["run_id"], data["generation"], data["kind"], tuple(data["ranks"]), tuple(data["slots"]),
-                   data["step"], data["verified_step"])
+        return cls(**dict({k: v for k, v in doc.items() if k != "schema"}, ranks=tuple(doc["ranks"]),
+                          slots=tuple(doc["slots"])))
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> "NodeFault":
+        return cls.from_json(parse_record(data, FAULT_RECORD, where, error=ContextError), where)
 
 
-def fault_for(run_id: str, generation: int, kind: str, ranks: List[int], local_world_size: int, step: int,
+def fault_for(binding: RoundBinding, kind: str, ranks: List[int], local_world_size: int, step: int,
               verified_step: Optional[int]) -> NodeFault:
-    """The record for faulty global `ranks`: a rank's node slot is rank // LOCAL_WORLD_SIZE."""
+    """The record for faulty global `ranks` in `binding`'s generation: a rank's node slot is rank //
+    LOCAL_WORLD_SIZE."""
     ranks = sorted(set(ranks))
-    return NodeFault(run_id, generation, kind, tuple(ranks), tuple(sorted({r // local_world_size for r in ranks})),
-                     step, -1 if verified_step is None else verified_step)
+    return NodeFault(run_id=binding.run_id, launch_id=binding.launch_id, node_id=binding.node_id,
+                     generation=binding.generation, kind=kind, ranks=tuple(ranks),
+                     slots=tuple(sorted({r // local_world_size for r in ranks})), step=step,
+                     verified_step=-1 if verified_step is None else verified_step)
 
 
 def fault_path(directory: str, local_rank: int) -> str:
@@ -104,40 +113,71 @@ def fault_path(directory: str, local_rank: int) -> str:
 
 
 def write_fault(directory: str, local_rank: int, fault: NodeFault) -> None:
-    atomic_write(fault_path(directory, local_rank), encode_json(fault.to_json()))
+    atomic_write(fault_path(directory, local_rank), encode_record(fault.to_json(), FAULT_RECORD))
 
 
-def acknowledge_fault(directory: str, generation: int) -> None:
-    """The agent's side: this node's fault of `generation` is published in the rendezvous store."""
-    atomic_write(os.path.join(directory, ACK_NAME), encode_json({"generation": generation}))
+def fault_problem(fault: NodeFault, binding: RoundBinding) -> Optional[str]:
+    """Why `fault` is not a fault of `binding`'s generation on its launch (None: it is)."""
+    if fault.run_id != binding.run_id:
+        return f"it belongs to run {fault.run_id!r}"
+    if fault.launch_id != binding.launch_id:
+        return (f"it was left by launch {fault.launch_id[:12]} (this launch is {binding.launch_id[:12]}; rounds "
+                "restart at 0 in every launch)")
+    if fault.generation != binding.generation:
+        return f"it is of generation {fault.generation}, not of generation {binding.generation} that just ended"
+    return None
 
 
-def fault_acknowledged(directory: str, generation: int) -> bool:
+def acknowledge_fault(directory: str, binding: RoundBinding) -> None:
+    """The agent's side: this node's fault of `binding`'s generation is published in the rendezvous store."""
+    doc = {"schema": ACK_SCHEMA, "run_id": binding.run_id, "launch_id": binding.launch_id,
+           "node_id": binding.node_id, "generation": binding.generation}
+    atomic_write(os.path.join(directory, ACK_NAME), encode_record(doc, ACK_RECORD))
+
+
+def fault_acknowledged(directory: str, binding: RoundBinding) -> bool:
+    """The worker's side: whether its agent acknowledged this generation's fault (an acknowledgement
+    of another run, launch, node or generation is not this one's)."""
+    path = os.path.join(directory, ACK_NAME)
     try:
-        data = read_json(os.path.join(directory, ACK_NAME))
-    except FileNotFoundError:  # not written yet (the write is atomic: never half-read)
+        doc = read_record(path, ACK_RECORD, trust=PRIVATE, error=ContextError)
+    except ContextError as exc:
+        logger.warning("lm-resiliency torchrun worker: ignoring %s", exc)
         return False
-    return isinstance(data, dict) and data.get("generation") == generation
+    return doc is not None and foreign(doc, binding) is None and (doc["launch_id"], doc["generation"]) == (
+        binding.launch_id, binding.generation)
 
 
-def read_fault(directory: str, run_id: str, generation: int) -> Optional[NodeFault]:
-    """The fault this node's workers recorded in `generation` of `run_id` (None: none). Records
-    of other runs or generations are ignored; corrupt or disagreeing ones fail closed."""
+def read_fault(directory: str, binding: RoundBinding) -> Tuple[Optional[NodeFault], List[str]]:
+    """The fault this node's workers recorded in `binding`'s generation (None: none), and every
+    fault record ignored (of another run, launch, node or generation, unsafe or malformed), with
+    why. Records of this generation that disagree fail closed (ContextError)."""
     found: List[NodeFault] = []
+    ignored: List[str] = []
     for name in sorted(os.listdir(directory)):
-        if not (name.startswith("fault-") and name.endswith(".json")):
+        if not _FAULT_NAME.fullmatch(name):
             continue
         path = os.path.join(directory, name)
-        fault = NodeFault.from_json(read_json(path), path)
-        if fault.run_id == run_id and fault.generation == generation:
-            found.append(fault)
+        try:
+            doc = read_record(path, FAULT_RECORD, trust=PRIVATE, error=ContextError)
+            fault = None if doc is None else NodeFault.from_json(doc, path)
+        except RecordRejected as exc:
+            ignored.append(f"fault record {exc}")
+            continue
+        if fault is None:
+            continue
+        why = foreign(fault.to_json(), binding) or fault_problem(fault, binding)
+        if why is not None:
+            ignored.append(f"fault record {path}: {why}")
+            continue
+        found.append(fault)
     if not found:
-        return None
+        return None, ignored
     if any((f.kind, f.slots, f.verified_step) != (found[0].kind, found[0].slots, found[0].verified_step)
            for f in found):
         raise ContextError(f"{directory}: this node's workers recorded different faults for generation "
-                           f"{generation}: {[f.to_json() for f in found]}; the verdict should be collective")
-    return found[0]
+                           f"{binding.generation}: {[f.to_json() for f in found]}; the verdict should be collective")
+    return found[0], ignored
 
 
 class FaultWatch:
@@ -145,9 +185,9 @@ class FaultWatch:
     latches RECOVERY_VERIFIED-only recovery (the capture boundary after the verdict, agreed on
     every rank), records the fault for the agent and ends the generation on every rank alike."""
 
-    def __init__(self, run_id: str, generation: int, directory: str, local_rank: int, local_world_size: int) -> None:
-        self.run_id = run_id
-        self.generation = generation
+    def __init__(self, binding: RoundBinding, directory: str, local_rank: int, local_world_size: int) -> None:
+        self.binding = binding
+        self.generation = binding.generation
         self.directory = directory
         self.local_rank = local_rank
         self.local_world_size = local_world_size
@@ -188,19 +228,18 @@ class FaultWatch:
         ledger = session.ledger if session is not None else None
         verified = ledger.recovery_verified_step if ledger is not None else None
         step = report.step if report.step is not None else (session.step_count if session is not None else 0)
-        fault = fault_for(self.run_id, self.generation, "hang", list(report.ranks), self.local_world_size, step,
-                          verified)
+        fault = fault_for(self.binding, "hang", list(report.ranks), self.local_world_size, step, verified)
         write_fault(self.directory, self.local_rank, fault)
         if session is not None:
             session.keep_state_for_relaunch()
         deadline = time.monotonic() + ACK_TIMEOUT_S
-        while not fault_acknowledged(self.directory, self.generation) and time.monotonic() < deadline:
+        while not fault_acknowledged(self.directory, self.binding) and time.monotonic() < deadline:
             time.sleep(_ACK_POLL_S)
         logger.critical(
             "lm-resiliency torchrun worker: SCOUT localized a hang at step %d on global ranks %s (node slots %s); %s. "
             "This worker ends its process (exit status %d) so that every worker group ends, the agents retire the "
             "named node(s) and restart from the newest RECOVERY_VERIFIED step (%s)", fault.step, list(fault.ranks),
-            list(fault.slots), "the agent published it" if fault_acknowledged(self.directory, self.generation) else
+            list(fault.slots), "the agent published it" if fault_acknowledged(self.directory, self.binding) else
             f"the agent did not publish it within {ACK_TIMEOUT_S:g}s: only a named node that reads its own record "
             "retires", HANG_EXIT_CODE, "none" if verified is None else verified)
 
@@ -210,8 +249,7 @@ class FaultWatch:
         if self.step is None or (ledger is not None and not ledger.requires_verified_recovery):
             return
         verified = ledger.recovery_verified_step if ledger is not None else None
-        fault = fault_for(self.run_id, self.generation, "sdc", self.ranks, self.local_world_size, self.step,
-                          verified)
+        fault = fault_for(self.binding, "sdc", self.ranks, self.local_world_size, self.step, verified)
         write_fault(self.directory, self.local_rank, fault)
         session.keep_state_for_relaunch()  # the verified capture may live only in this node's memory
         raise TorchrunFaultDetected(

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
 from lm_resiliency.torchrun import context as ctx
-from lm_resiliency.torchrun.context import CONTEXT_ENV, topology_digest
+from lm_resiliency.torchrun.binding import RoundBinding
+from lm_resiliency.torchrun.context import CONTEXT_ENV
 
 CHECKPOINT_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
 BOOTSTRAP_ENV = "LM_RESILIENCY_TORCHRUN_BOOTSTRAPPED"
@@ -19,16 +20,22 @@ class TorchrunWorkerAdapterError(RuntimeError):
     """A torchrun worker cannot attach safely (ambiguous objects, wrong generation, bad policy)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TorchrunWorkerContext(ctx.RestartContext):
-    """This worker's generation: run identity, hashed node id, local rank and width, generation,
-    logical node slot, node count, topology digest, policy digest and the checkpoint the
-    rendezvous selected for it (`checkpoint_source` "none": start fresh; "gemini": load exactly
-    `checkpoint_step`), and why (`decision`)."""
+    """This worker's generation: run identity, launch, hashed node id, local rank and width,
+    generation, logical node slot, node count, topology digest, policy digest and the checkpoint
+    the rendezvous selected for it (`checkpoint_source` "none": start fresh; "gemini": load exactly
+    `checkpoint_step`), and why (`decision`, `reason`)."""
 
     local_rank: int
     local_world_size: int
     context_path: str
+
+    @property
+    def binding(self) -> RoundBinding:
+        """What this worker's records are bound to."""
+        return RoundBinding(run_id=self.run_id, launch_id=self.launch_id, node_id=self.node_id,
+                            generation=self.generation, nodes=self.nodes, nproc_per_node=self.local_world_size)
 
 
 class TorchrunWorkerAdapter(Protocol):
@@ -54,15 +61,9 @@ def load_worker_context(environ: Optional[Mapping[str, str]] = None) -> Torchrun
         raise TorchrunWorkerAdapterError(f"{CONTEXT_ENV} is not set: this process was not started by a torchrun "
                                          "agent with --rdzv-backend=lm_resiliency")
     try:
-        context = ctx.read_context(path)
+        context = ctx.checked_context(path, env)
     except ctx.ContextError as exc:
         raise TorchrunWorkerAdapterError(str(exc)) from None
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if run_id != context.run_id:
-        raise TorchrunWorkerAdapterError(f"restart context {path} is for run {context.run_id!r}, this worker runs "
-                                         f"{run_id!r}")
-    if context.topology_digest != topology_digest(context.run_id, context.nodes):
-        raise TorchrunWorkerAdapterError(f"restart context {path}: topology digest does not match its run and width")
     group_rank = _env_int(env, "GROUP_RANK")
     if group_rank != context.slot:
         raise TorchrunWorkerAdapterError(f"restart context {path} is for node slot {context.slot}, torchrun started "
@@ -72,8 +73,12 @@ def load_worker_context(environ: Optional[Mapping[str, str]] = None) -> Torchrun
     if world_size != context.nodes * local_world_size:
         raise TorchrunWorkerAdapterError(f"WORLD_SIZE={world_size} is not {context.nodes} nodes x LOCAL_WORLD_SIZE="
                                          f"{local_world_size}: the generation's topology changed")
-    return TorchrunWorkerContext(**dataclasses.asdict(context), local_rank=_env_int(env, "LOCAL_RANK"),
-                                 local_world_size=local_world_size, context_path=path)
+    if context.nproc_per_node is not None and context.nproc_per_node != local_world_size:
+        raise TorchrunWorkerAdapterError(f"restart context {path} is for --nproc-per-node {context.nproc_per_node}, "
+                                         f"torchrun started this worker with LOCAL_WORLD_SIZE={local_world_size}")
+    values = {f.name: getattr(context, f.name) for f in dataclasses.fields(context)}
+    return TorchrunWorkerContext(**values, local_rank=_env_int(env, "LOCAL_RANK"), local_world_size=local_world_size,
+                                 context_path=path)
 
 
 def get_torchrun_worker_context() -> TorchrunWorkerContext:

@@ -96,10 +96,11 @@ def test_step_missing_on_one_rank_selects_older_common_step(tmp_path):
     assert [r[0] for r in recovered] == [4, 4, 4, 4]
 
 
-def _exact_step(rank, world, folder, step):
+def _exact_step(rank, world, folder, step, allowed=None):
     manager = InMemoryCheckpointManager(_config(folder))
     try:
-        return manager.find_latest(step=step)
+        return manager.find_latest(step=step[rank] if isinstance(step, list) else step,
+                                   allowed_steps=allowed[rank] if allowed is not None else None)
     except RecoveryUnavailable as exc:
         return f"unavailable: {exc}"
     finally:
@@ -110,6 +111,14 @@ def test_exact_step_is_loaded_or_fails_closed(tmp_path):
     run_ranks(_train_and_exit, 4, str(tmp_path), 6, {}, timeout=120)
     assert run_ranks(_exact_step, 4, str(tmp_path), 4) == [4, 4, 4, 4]
     assert all(r.startswith("unavailable: GEMINI step 2 ") for r in run_ranks(_exact_step, 4, str(tmp_path), 2))
+    # Both steps are loadable, but a job must never resume two of them: every rank refuses alike.
+    mixed = run_ranks(_exact_step, 4, str(tmp_path), [4, 4, 6, 4])
+    assert mixed == ["unavailable: GEMINI recovery: the ranks asked for different steps (rank 0: step 4; rank 1: "
+                     "step 4; rank 2: step 6; rank 3: step 4); every rank must request the same step, so nothing "
+                     "is loaded"] * 4
+    allowed = run_ranks(_exact_step, 4, str(tmp_path), None, [[4, 6], [6, 4], [6, 4], [4]])
+    assert all("rank 0: step newest among [4, 6]; rank 1: step newest among [4, 6]" in r
+               and "rank 3: step newest among [4]" in r for r in allowed), allowed
 
 
 def _corrupt_and_recover(rank, world, folder, victims):

@@ -90,7 +90,8 @@ def test_registered_through_torchs_registry_under_its_own_name(tmp_path):
     assert handler.get_backend() == "lm_resiliency"
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
-    written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))
+    written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))[0]
+    assert written.launch_id == handler.launch_id and written.nproc_per_node is None  # not called by an agent
     assert (written.generation, written.slot, written.nodes, written.checkpoint_step, written.checkpoint_source,
             written.decision) == (0, 0, 1, 0, "none", "fresh")
     assert written.node_id == derive_torchrun_node_id()
@@ -114,21 +115,99 @@ def test_restart_context_dir_is_owner_only_and_bad_ones_fail_closed(tmp_path):
         create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex, context="ctx-foreign"))
 
 
+def test_a_context_dir_opened_up_after_startup_stops_the_next_round(tmp_path):
+    _use_machine(tmp_path, "a")
+    handler = create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex))
+    os.chmod(tmp_path / "ctx-a", 0o777)
+    with pytest.raises(RendezvousRefused, match="has mode 0777: group/other access is not allowed"):
+        handler.next_rendezvous()
+    assert not os.path.exists(tmp_path / "ctx-a" / "context.json")  # nothing was written into it
+    handler.shutdown()
+
+
 def test_duplicate_machine_identity_fails_closed(tmp_path):
     run_id = uuid.uuid4().hex
     _use_machine(tmp_path, "a")
     first = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2))
-    with pytest.raises(RendezvousRefused, match="already registered .* two agents share one machine id"):
+    with pytest.raises(RendezvousRefused, match="already registered .* still alive: two agents share one machine id"):
         create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b"))
     _use_machine(tmp_path, "b")
-    create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b"))
+    second = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b"))
+    assert second.launch_id == first.launch_id  # a later agent joins the live launch
     first.shutdown()
+    second.shutdown()
+
+
+def test_a_relaunch_over_the_same_file_store_and_run_id_is_a_new_launch(tmp_path):
+    """Issue 22, item 10: the endpoint file survives every launch (and a finished launch leaves
+    torch's rendezvous closed in it); the next launch with the same --rdzv-id and machine id runs,
+    in a launch of its own, once the previous agents stopped beating."""
+    run_id = uuid.uuid4().hex
+    _use_machine(tmp_path, "a")
+    fast = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
+    first = create_rendezvous_handler(_params(tmp_path, run_id=run_id, **fast))
+    assert first.next_rendezvous().rank == 0
+    first.set_closed()
+    first.shutdown()  # the run ended: its agent stops beating
+    relaunch = create_rendezvous_handler(_params(tmp_path, run_id=run_id, **fast))
+    assert relaunch.launch_id != first.launch_id
+    assert relaunch.next_rendezvous().rank == 0 and not relaunch.is_closed()
+    written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))[0]
+    assert (written.launch_id, written.generation) == (relaunch.launch_id, 0)  # rounds restart at 0
+    relaunch._member.stop()  # killed, not shut down: its keep-alive stops with its process
+    again = create_rendezvous_handler(_params(tmp_path, run_id=run_id, **fast))
+    assert again.launch_id not in (first.launch_id, written.launch_id)
+    again.shutdown()
+
+
+def test_a_dead_agents_identity_is_taken_over_in_its_live_launch(tmp_path):
+    run_id = uuid.uuid4().hex
+    fast = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
+    _use_machine(tmp_path, "b")
+    other = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=3, context="ctx-b", **fast))
+    _use_machine(tmp_path, "a")
+    dead = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=3, **fast))
+    dead._member.stop()  # its process is gone; node b keeps the launch alive
+    time.sleep(1.5)
+    restarted = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=3, **fast))
+    assert restarted.launch_id == other.launch_id == dead.launch_id
+    other.shutdown()
+    restarted.shutdown()
+
+
+def test_a_malformed_launch_record_fails_closed(tmp_path):
+    from torch.distributed import FileStore
+
+    from lm_resiliency.torchrun.launches import run_store
+
+    run_id = uuid.uuid4().hex
+    run_store(FileStore(str(tmp_path / "rdzv")), run_id).set("launch", '{"schema": "x"}')
+    _use_machine(tmp_path, "a")
+    with pytest.raises(RendezvousRefused, match="store key lm_resiliency/.*/launch: not a launch record of this "
+                                                "version.*remove the rendezvous file"):
+        create_rendezvous_handler(_params(tmp_path, run_id=run_id))
+
+
+def test_a_gemini_run_id_other_than_the_rdzv_id_is_refused(tmp_path, monkeypatch):
+    """Issue 22, item 10: the agents key records, selection and faults by --rdzv-id; GEMINI under
+    another run id would resume state they know nothing about."""
+    _use_machine(tmp_path, "a")
+    run_id = uuid.uuid4().hex
+    named = _policy(tmp_path, "named.toml", POLICY.format(disk=str(tmp_path / "disk")) + 'run_id = "other"\n')
+    with pytest.raises(RendezvousRefused, match=rf"\[checkpoint\] run_id in .*named.toml is 'other', but --rdzv-id is "
+                                                rf"'{run_id}'.*--rdzv-id=other"):
+        create_rendezvous_handler(_params(tmp_path, run_id=run_id, policy=named))
+    same = _policy(tmp_path, "same.toml", POLICY.format(disk=str(tmp_path / "disk")) + f'run_id = "{run_id}"\n')
+    create_rendezvous_handler(_params(tmp_path, run_id=run_id, policy=same)).shutdown()
+    monkeypatch.setenv("LM_RESILIENCY_RUN_ID", "env-run")
+    with pytest.raises(RendezvousRefused, match="LM_RESILIENCY_RUN_ID in the agent's environment is 'env-run'"):
+        create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex, policy=_policy(tmp_path)))
 
 
 def test_policy_digest_must_agree_and_bad_policies_fail_before_joining(tmp_path):
     run_id = uuid.uuid4().hex
     _use_machine(tmp_path, "a")
-    create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, policy=_policy(tmp_path)))
+    first = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, policy=_policy(tmp_path)))
     _use_machine(tmp_path, "b")
     other = _policy(tmp_path, "other.toml", POLICY.format(disk=str(tmp_path / "disk")).replace("interval = 2",
                                                                                                "interval = 4"))
@@ -149,6 +228,7 @@ def test_policy_digest_must_agree_and_bad_policies_fail_before_joining(tmp_path)
     adapter = _policy(tmp_path, "a.toml", "schema_version = 1\nadapter = \"no-colon\"\n")
     with pytest.raises(ConfigError, match="adapter: expected"):
         create_rendezvous_handler(_params(tmp_path, run_id=uuid.uuid4().hex, policy=adapter))
+    first.shutdown()
 
 
 def test_the_first_min_nodes_are_active_and_a_later_agent_parks_until_the_run_closes(tmp_path):

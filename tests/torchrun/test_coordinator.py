@@ -15,26 +15,45 @@ from torch.distributed import FileStore, Store, TCPStore
 from lm_resiliency.integrations.torchrun import (TorchrunInitialPlacement, TorchrunRecoveryCoordinator,
                                                  TorchrunRecoveryRequest, TorchrunSuccessorPlacement)
 from lm_resiliency.torchrun.context import topology_digest
-from lm_resiliency.torchrun.coordinator import (TorchrunCoordinatorError, check_lease, commit_placement, run_store,
-                                                successor_for)
+from lm_resiliency.torchrun.coordinator import TorchrunCoordinatorError, check_lease, commit_placement, successor_for
+from lm_resiliency.torchrun.launches import LaunchMember
 from tests.torchrun.test_backend import _restore_environment  # noqa: F401 - the autouse fixture
+
+_AGENTS: list = []  # the launches' members: beating for as long as the test process runs
+
+
+def _launch(store: Store, run_id: str) -> Store:
+    """A live launch of `run_id` (an agent that beats), as the agents start one; its part of the store."""
+    member = LaunchMember(store, run_id, "n0", beat_interval_s=0.1, expiry_s=1.0)
+    member.join()
+    _AGENTS.append(member)
+    assert member.store is not None
+    return member.store
 
 
 def _committed(tmp_path, run_id: str, nodes=("n0", "n1")):
     store = FileStore(str(tmp_path / "rdzv"))
-    commit_placement(run_store(store, run_id), run_id, 0, tuple(nodes))
+    commit_placement(_launch(store, run_id), run_id, 0, tuple(nodes))
     return store
+
+
+def _agents(tmp_path, run_id: str) -> Store:
+    """What the agents of the live launch read (their own store client)."""
+    from lm_resiliency.torchrun.launches import launch_store
+
+    member = next(m for m in reversed(_AGENTS) if m.run_id == run_id)
+    return launch_store(FileStore(str(tmp_path / "rdzv")), run_id, member.launch.launch_id)
 
 
 def test_initial_placement_is_the_first_generation_the_agents_committed(tmp_path):
     run_id = uuid.uuid4().hex
-    store = _committed(tmp_path, run_id)
-    commit_placement(run_store(store, run_id), run_id, 1, ("n0", "n2"))  # later rounds do not replace it
+    _committed(tmp_path, run_id)
+    commit_placement(_agents(tmp_path, run_id), run_id, 1, ("n0", "n2"))  # later rounds do not replace it
     with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
         assert coordinator.initial_placement() == TorchrunInitialPlacement(
             run_id, 0, 2, ("n0", "n1"), topology_digest(run_id, 2))
     with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), "other-run") as coordinator:
-        with pytest.raises(TorchrunCoordinatorError, match="no placement/initial .* after 0.5s"):
+        with pytest.raises(TorchrunCoordinatorError, match="run 'other-run' has no live launch .* after 0.5s"):
             coordinator.initial_placement(timeout_s=0.5)
 
 
@@ -50,7 +69,7 @@ def test_a_successor_is_published_once_and_agents_read_it(tmp_path):
             == ("replacement", (1,), 4, "recovery_verified", 2)
         with pytest.raises(TorchrunCoordinatorError, match="already published; successors are immutable"):
             coordinator.publish_successor(request)
-        agents = run_store(FileStore(str(tmp_path / "rdzv")), run_id)
+        agents = _agents(tmp_path, run_id)
         assert successor_for(agents, run_id, 1, timeout_s=5) == placement
         assert 25 < check_lease(agents, placement) <= 30
         same_node = coordinator.publish_successor(TorchrunRecoveryRequest(generation=2, checkpoint_step=6,
@@ -58,6 +77,20 @@ def test_a_successor_is_published_once_and_agents_read_it(tmp_path):
         assert (same_node.kind, same_node.retire_slots) == ("same-node", ())
         with pytest.raises(TorchrunCoordinatorError, match="no successor for generation 3 was published within"):
             successor_for(agents, run_id, 3, timeout_s=0.5)
+
+
+def test_a_coordinator_manages_the_live_launch_never_an_earlier_one(tmp_path):
+    """The endpoint file keeps every launch's keys: a manager started after a relaunch must read
+    the new launch's placement, not the one a dead launch committed for the same rounds."""
+    run_id = uuid.uuid4().hex
+    _committed(tmp_path, run_id, ("n0", "n1"))
+    _AGENTS.pop().stop()  # the first launch's agents are gone
+    time.sleep(1.2)
+    relaunch = _launch(FileStore(str(tmp_path / "rdzv")), run_id)
+    commit_placement(relaunch, run_id, 0, ("n0",))
+    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id) as coordinator:
+        assert coordinator.initial_placement().node_ids == ("n0",)
+        assert coordinator.launch_id == _AGENTS[-1].launch.launch_id
 
 
 @pytest.mark.parametrize("change, message", [
@@ -77,13 +110,13 @@ def test_invalid_requests_are_refused_before_anything_is_published(tmp_path, cha
         values.update(change)
         with pytest.raises(TorchrunCoordinatorError, match=message):
             coordinator.publish_successor(TorchrunRecoveryRequest(**values))
-        assert not run_store(store, run_id).check([f"successor/{values['generation']}"])
+        assert not _agents(tmp_path, run_id).check([f"successor/{values['generation']}"])
 
 
 def test_agents_refuse_a_successor_whose_lease_ran_out_or_stopped(tmp_path):
     run_id = uuid.uuid4().hex
     store = _committed(tmp_path, run_id)
-    agents = run_store(FileStore(str(tmp_path / "rdzv")), run_id)
+    agents = _agents(tmp_path, run_id)
     with TorchrunRecoveryCoordinator(store, run_id, renew_interval_s=0.2) as coordinator:
         placement = coordinator.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=4,
                                                                           deadline_s=1.0))
@@ -120,6 +153,9 @@ class _FailingStore(Store):
     def compare_set(self, key, expected, desired):
         return self.inner.compare_set(key, expected, desired)
 
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
     def check(self, keys):
         return self.inner.check(keys)
 
@@ -142,7 +178,7 @@ def test_transient_renewal_failures_are_retried_and_persistent_ones_latch(tmp_pa
     run_id = uuid.uuid4().hex
     _committed(tmp_path, run_id)
     store = _FailingStore(str(tmp_path / "rdzv"))
-    agents = run_store(FileStore(str(tmp_path / "rdzv")), run_id)
+    agents = _agents(tmp_path, run_id)
     with TorchrunRecoveryCoordinator(store, run_id, renew_interval_s=0.1, failure_tolerance_s=1.0) as coordinator:
         placement = coordinator.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=2,
                                                                           deadline_s=60))
@@ -165,13 +201,15 @@ def test_transient_renewal_failures_are_retried_and_persistent_ones_latch(tmp_pa
 def test_a_tcp_store_outage_latches_too(tmp_path):
     run_id = uuid.uuid4().hex
     server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
-    commit_placement(run_store(server, run_id), run_id, 0, ("n0",))
+    agent = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+    commit_placement(_launch(agent, run_id), run_id, 0, ("n0",))
     coordinator = TorchrunRecoveryCoordinator.from_endpoint(f"127.0.0.1:{server.port}", run_id, store_type="tcp",
                                                             timeout_s=1.0, renew_interval_s=0.1,
                                                             failure_tolerance_s=1.0)
     with coordinator:
         assert coordinator.initial_placement().nodes == 1
         coordinator.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=2, deadline_s=60))
+        _AGENTS.pop().stop()
         del server  # the agents' store host is gone
         _wait_latched(coordinator, 20)
         with pytest.raises(TorchrunCoordinatorError, match="refused renewals"):
@@ -229,7 +267,7 @@ def test_a_managed_agent_takes_the_successors_step_and_retires_when_its_slot_is_
         manager.publish_successor(TorchrunRecoveryRequest(generation=1, checkpoint_step=0, checkpoint_source="none",
                                                           trust="latest", deadline_s=60, reason="restart fresh"))
         handler.next_rendezvous()
-        written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))
+        written = ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))[0]
         assert (written.generation, written.checkpoint_step, written.checkpoint_source, written.trust,
                 written.reason) == (1, 0, "none", "latest", "selected by the recovery manager: restart fresh")
         manager.publish_successor(TorchrunRecoveryRequest(generation=2, checkpoint_step=0, checkpoint_source="none",
@@ -253,19 +291,20 @@ def test_a_managed_agent_refuses_a_generation_whose_lease_expired(tmp_path):
             handler.next_rendezvous()
     from lm_resiliency.torchrun import context as ctx
 
-    assert ctx.read_context(str(tmp_path / "ctx-a" / "context.json")).generation == 0  # no worker may start
+    assert ctx.read_context(str(tmp_path / "ctx-a" / "context.json"))[0].generation == 0  # no worker may start
     handler.shutdown()
 
 
 def test_agents_refuse_malformed_coordinator_records(tmp_path):
     run_id = uuid.uuid4().hex
-    agents = run_store(_committed(tmp_path, run_id), run_id)
+    _committed(tmp_path, run_id)
+    agents = _agents(tmp_path, run_id)
     agents.set("successor/1", "not json")
-    with pytest.raises(TorchrunCoordinatorError, match="successor/1: not valid JSON"):
+    with pytest.raises(TorchrunCoordinatorError, match="successor/1: not a successor placement: not valid JSON"):
         successor_for(agents, run_id, 1, timeout_s=1)
     with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), run_id, renew_interval_s=0.2) as manager:
         placement = manager.publish_successor(TorchrunRecoveryRequest(generation=2, checkpoint_step=4, deadline_s=60))
         manager.close()
         agents.set("lease/2", '{"sequence": 9}')
-        with pytest.raises(TorchrunCoordinatorError, match="lease/2: not a lease"):
+        with pytest.raises(TorchrunCoordinatorError, match=r"lease/2: missing keys \['remaining_s'\] in a lease"):
             check_lease(agents, placement)

@@ -80,6 +80,8 @@ class BuiltInWorkerAdapter:
         self.on_step: Optional[Callable[[], None]] = None  # the bootstrap's record of captured steps
         self.fault_callback: Optional[Callable[[Any], None]] = None  # the bootstrap's SCOUT verdict watch
         self.oob_fault_callback: Optional[Callable[[Any], None]] = None  # the bootstrap's hang watch
+        # The bootstrap's record of a selection this generation could not start from.
+        self.on_recovery_refused: Optional[Callable[[Any, Optional[int], Optional[int]], None]] = None
         self.active = False
         self.started = False  # an attach began (it may have failed): never attach twice
 
@@ -127,13 +129,31 @@ class BuiltInWorkerAdapter:
         return self.session
 
     def _recover(self, session: Any, selected: Optional[int]) -> None:
-        require_verified_step(session, self.context)
-        step = session.recover(step=selected)
+        from lm_resiliency.gemini.manager import RecoveryUnavailable
+
+        try:
+            require_verified_step(session, self.context)
+            step = session.recover(step=selected)
+        except RecoveryUnavailable:
+            self._refused(session, selected, None)
+            raise
         if selected is None and step is not None:
+            gemini = session.recovered_from == "gemini"
+            self._refused(session, None, step if gemini else None)
             raise TorchrunWorkerAdapterError(
                 f"{PREFIX}GEMINI resumed step {step} of run {self.context.run_id!r}, but the rendezvous selected a "
-                "fresh start (no node recorded a capture); refusing to continue from state the agents do not know "
-                "about. Use a new --rdzv-id, or remove that run's GEMINI state")
+                "fresh start (no node recorded a capture it could use); refusing to continue from state the agents "
+                "did not select." + (" The next generation starts from it" if gemini else ""))
+
+    def _refused(self, session: Any, selected: Optional[int], loaded: Optional[int]) -> None:
+        """Tell the bootstrap (it records what every rank can load for the agents); never masks the
+        refusal itself."""
+        if self.on_recovery_refused is None:
+            return
+        try:
+            self.on_recovery_refused(session, selected, loaded)
+        except Exception:  # noqa: BLE001 - the refusal is the error to raise
+            logger.exception("%srecording the refused recovery for the agents failed", PREFIX)
 
     def stepped(self) -> None:
         """After each optimizer step: let the bootstrap record the newest complete capture."""
