@@ -223,7 +223,7 @@ class PyTorchAdapter(FrameworkAdapter):
         model = {name: value.detach().clone() if id(value) in buffers else value.detach()
                  for name, value in self.module.state_dict(keep_vars=True).items()}
         state = {"model": model, "optimizer": self.optimizer.state_dict()}
-        layout = settled_bucket_layout(self.ddp) if self.ddp is not None else None
+        layout = settled_bucket_layout(self.ddp, self.module) if self.ddp is not None else None
         if layout is not None:
             state["ddp_buckets"] = layout
         return state
@@ -241,7 +241,7 @@ class PyTorchAdapter(FrameworkAdapter):
             raise ValueError("the recovered checkpoint holds a DDP gradient-bucket layout, but the model is not "
                              "wrapped in DistributedDataParallel; resume with the same wrapping")
         if layout is not None:  # first: it refuses a layout that names other parameters, changing nothing
-            restore_bucket_layout(self.ddp, layout)
+            restore_bucket_layout(self.ddp, layout, self.module)
         load_model_in_place(self.module, state["model"])
         self.optimizer.load_state_dict(rewrap_optimizer_state(self.optimizer, state["optimizer"]))
 

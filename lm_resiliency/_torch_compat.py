@@ -263,12 +263,14 @@ def _rebuilds(ddp: nn.Module) -> bool:
 
 
 # (id of the reducer, its layout): read once per reducer, since reading allocates (see below).
-_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, List[List[str]]]]" = weakref.WeakKeyDictionary()
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, List[List[int]]]]" = weakref.WeakKeyDictionary()
 
 
-def settled_bucket_layout(ddp: nn.Module) -> Optional[List[List[str]]]:
-    """The gradient-bucket layout `ddp` settled on, for a capture: parameter names per bucket, in the
-    order DDP reduces them. None when there is none to keep: DDP never rebuilds
+def settled_bucket_layout(ddp: nn.Module, module: Optional[nn.Module] = None) -> Optional[List[List[str]]]:
+    """The gradient-bucket layout `ddp` settled on, for a capture: parameter names per bucket (as in
+    `module`, default the module DDP wraps: pass the user's own module so that a `torch.compile`
+    wrapper inside or outside DDP names them alike), in the order DDP reduces them. None when there
+    is none to keep: DDP never rebuilds
     (`find_unused_parameters=True` without `static_graph`, no C++ reducer), or has not yet (its
     first iteration under `static_graph`).
 
@@ -285,12 +287,12 @@ def settled_bucket_layout(ddp: nn.Module) -> Optional[List[List[str]]]:
         return None
     cached = _LAYOUTS.get(ddp)
     if cached is None or cached[0] != id(ddp.reducer):
-        cached = (id(ddp.reducer), bucket_layout(ddp))
+        cached = (id(ddp.reducer), _bucket_ids(ddp))
         _LAYOUTS[ddp] = cached
-    return [list(bucket) for bucket in cached[1]]
+    return _named(cached[1], module if module is not None else ddp.module)
 
 
-def restore_bucket_layout(ddp: nn.Module, layout: List[List[str]]) -> bool:
+def restore_bucket_layout(ddp: nn.Module, layout: List[List[str]], module: Optional[nn.Module] = None) -> bool:
     """Collective over DDP's group, before the first training iteration: give `ddp` exactly the
     bucket layout `layout` (from `settled_bucket_layout` in the run it resumes) and mark its buckets
     rebuilt, so DDP never rebuilds them. The reducer is built again over the parameters in the
@@ -302,14 +304,14 @@ def restore_bucket_layout(ddp: nn.Module, layout: List[List[str]]) -> bool:
                                              for b in layout)):
         raise ValueError(f"the recovered DDP bucket layout is not a list of lists of parameter names: {layout!r:.200}")
     parameters, expect_sparse = ddp._build_params_for_reducer()
-    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    names = {id(p): n for n, p in (module if module is not None else ddp.module).named_parameters()}
     by_name = {names[id(p)]: (p, sparse) for p, sparse in zip(parameters, expect_sparse)}
     flat = [name for bucket in layout for name in bucket]
     if sorted(flat) != sorted(by_name):
-        missing, unexpected = sorted(set(by_name) - set(flat)), sorted(set(flat) - set(by_name))
-        repeated = sorted({n for n in flat if flat.count(n) > 1})
-        raise ValueError(f"the recovered DDP bucket layout does not match this model's parameters: missing "
-                         f"{missing[:8]}, unexpected {unexpected[:8]}, repeated {repeated[:8]}")
+        problems = {"missing": sorted(set(by_name) - set(flat)), "unexpected": sorted(set(flat) - set(by_name)),
+                    "repeated": sorted({n for n in flat if flat.count(n) > 1})}
+        raise ValueError("the recovered DDP bucket layout does not match this model's parameters (was the model "
+                         "changed?): " + ", ".join(f"{kind} {found[:8]}" for kind, found in problems.items() if found))
     reason = _unsupported(ddp)
     if reason is None and not _rebuilds(ddp):
         reason = "this DDP never rebuilds its buckets (find_unused_parameters=True without static_graph)"
@@ -320,8 +322,9 @@ def restore_bucket_layout(ddp: nn.Module, layout: List[List[str]]) -> bool:
         return False
     ordered = [by_name[name] for name in flat]
     _rebuild_reducer(ddp, [p for p, _ in ordered], [sparse for _, sparse in ordered])
-    got = bucket_layout(ddp)
-    _LAYOUTS[ddp] = (id(ddp.reducer), got)
+    ids = _bucket_ids(ddp)
+    _LAYOUTS[ddp] = (id(ddp.reducer), ids)
+    got = _named(ids, module if module is not None else ddp.module)
     # Buckets are compared as sets: their order changes when they are reduced, not what they sum.
     if sorted(map(tuple, got)) != sorted(map(tuple, layout)):
         _warn_layout(f"DDP rebuilt {len(got)} bucket(s) from the recovered order, not the {len(layout)} recorded "
@@ -427,8 +430,16 @@ def find_wrapper(module: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def bucket_layout(ddp: nn.Module) -> List[List[str]]:
-    """Parameter names per bucket, in the order DDP all-reduces the buckets."""
-    names = {id(p): n for n, p in ddp.module.named_parameters()}
-    return [[names[id(p)] for p in bucket.parameters()]
-            for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+def bucket_layout(ddp: nn.Module, module: Optional[nn.Module] = None) -> List[List[str]]:
+    """Parameter names per bucket, in the order DDP all-reduces the buckets; named as in `module`
+    (default: the module DDP wraps)."""
+    return _named(_bucket_ids(ddp), module if module is not None else ddp.module)
+
+
+def _bucket_ids(ddp: nn.Module) -> List[List[int]]:
+    return [[id(p) for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def _named(buckets: List[List[int]], module: nn.Module) -> List[List[str]]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[i] for i in bucket] for bucket in buckets]
