@@ -72,7 +72,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -365,7 +365,7 @@ class ReducerAverage:
         self.process_group = ddp.process_group
         self._divides = bool(getattr(ddp, "batched_grad_copy", False))
         self._views = bool(ddp.gradient_as_bucket_view) and not self._divides
-        self._storage: dict = {}   # id(parameter) -> storage address of its gradient when accumulated
+        self._storage: Dict[int, Optional[int]] = {}  # id(parameter) -> its gradient's storage when accumulated
         self._warned = False
         if self._views:
             for param in ddp.module.parameters():
@@ -377,7 +377,7 @@ class ReducerAverage:
         self._storage[id(param)] = grad.untyped_storage().data_ptr() if grad is not None else None
 
     # No annotations: DDP compares a hook's annotations with the real types.
-    def __call__(self, _state, bucket):  # type: ignore[no-untyped-def]
+    def __call__(self, _state, bucket):
         buffer = bucket.buffer()
         world = self.process_group.size()
         self._check_join()
