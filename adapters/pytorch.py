@@ -4,7 +4,9 @@ parallelism (a device mesh with a `tp` or `tensor_parallel` dimension, alone or 
 Capture reads `model.state_dict()` (DDP: the wrapped module; FSDP2/HSDP: DTensors, whose
 local shards GEMINI stores) and `optimizer.state_dict()`. Restore copies the recovered
 tensors in place into the live model and rebuilds optimizer DTensors on the live
-parameters' mesh, so a fresh process never needs the original sharding call again.
+parameters' mesh, so a fresh process never needs the original sharding call again. Under DDP a
+capture also records the gradient-bucket layout DDP settled on, and restore gives the resumed DDP
+exactly that layout, so its gradient sums are those of the uninterrupted run (_torch_compat).
 
 `torch.compile` wrappers (`OptimizedModule`, in either order with DDP) are looked through:
 state is keyed as in the user's own module (no `_orig_mod.`), and the forward hook runs outside
@@ -22,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency._torch_compat import root_mesh
+from lm_resiliency._torch_compat import restore_bucket_layout, root_mesh, settled_bucket_layout
 from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
-from lm_resiliency._torch_compat import pin_bucket_layout
 from lm_resiliency.scout.peers import MODEL_PARALLEL_DIMS
 from lm_resiliency.wrappers import find_ddp, unwrap_model
 
@@ -161,9 +162,9 @@ class PyTorchAdapter(FrameworkAdapter):
         self._skip_replication_if_hsdp = skip_replication_if_hsdp
         self._handles: List[Any] = []
         check_optimizer_owns_model(self.module, optimizer)
-        ddp = find_ddp(model)  # DDP may sit inside or outside torch.compile
-        if ddp is not None:
-            pin_bucket_layout(ddp)  # one gradient bucket layout for fresh and resumed runs
+        # DDP may sit inside or outside torch.compile. Its bucket layout is left to DDP, recorded
+        # with each capture and restored on resume (docs/frameworks.md, "DDP and bitwise resume").
+        self.ddp = find_ddp(model)
 
     # --------------------------------------------------------------- topology
 
@@ -221,7 +222,11 @@ class PyTorchAdapter(FrameworkAdapter):
         buffers = {id(b) for b in self.module.buffers()}
         model = {name: value.detach().clone() if id(value) in buffers else value.detach()
                  for name, value in self.module.state_dict(keep_vars=True).items()}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+        state = {"model": model, "optimizer": self.optimizer.state_dict()}
+        layout = settled_bucket_layout(self.ddp, self.module) if self.ddp is not None else None
+        if layout is not None:
+            state["ddp_buckets"] = layout
+        return state
 
     def deferred_state(self) -> Dict[str, Any]:
         # The scaler settles in scaler.update(), after scaler.step(): read before the next forward.
@@ -231,6 +236,12 @@ class PyTorchAdapter(FrameworkAdapter):
         return state
 
     def load_framework_state(self, state: Dict[str, Any]) -> None:
+        layout = state.get("ddp_buckets")
+        if layout is not None and self.ddp is None:
+            raise ValueError("the recovered checkpoint holds a DDP gradient-bucket layout, but the model is not "
+                             "wrapped in DistributedDataParallel; resume with the same wrapping")
+        if layout is not None:  # first: it refuses a layout that names other parameters, changing nothing
+            restore_bucket_layout(self.ddp, layout, self.module)
         load_model_in_place(self.module, state["model"])
         self.optimizer.load_state_dict(rewrap_optimizer_state(self.optimizer, state["optimizer"]))
 

@@ -15,13 +15,15 @@ collective paths:
   trainer      `step` and `ntokens_seen` (TorchTitan's "train_state")
 
 The dataloader and counters are read at the step boundary itself (`snapshot_boundary`, called by
-the hooks in `checkpointer.save`), because the next batch is fetched before the next forward.
+the hooks in `checkpointer.save`), because the next batch is fetched before the next forward; the
+data position is deep-copied there, since a dataset's `state_dict()` may return its live buffers.
 Topology comes from the trainer's `ParallelDims`. The hooks live in
 `lm_resiliency.callbacks.torchtitan`, which builds this adapter.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
@@ -144,9 +146,12 @@ class TorchTitanAdapter(HookFactoryAdapter):
         """Called at the step boundary (after optimizer and LR scheduler stepped, before the next
         batch is fetched): the counters and the data position that belong to this step."""
         trainer = self.trainer
+        # A deep copy: the capture completes in the next forward, after the next batch was fetched,
+        # and TorchTitan's text dataset hands out its live token buffers, which that fetch extends
+        # in place (DCP is immune only because it pickles the state at once).
         self._boundary = {
             "trainer": {"step": int(trainer.step), "ntokens_seen": int(trainer.ntokens_seen)},
-            "dataloader": _stateful_loader_class().state_dict(trainer.dataloader),
+            "dataloader": copy.deepcopy(_stateful_loader_class().state_dict(trainer.dataloader)),
         }
 
     def framework_state(self) -> Dict[str, Any]:

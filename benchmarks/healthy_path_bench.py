@@ -6,7 +6,8 @@
 Linear(`--width`, `--width`) layers with DDP and Adam, one thread each. Four configurations
 live side by side in the same processes, each with its own model and optimizer (same
 initial weights): the unchanged loop (baseline), the same loop with only DDP's bucket layout
-pinned as `enable_resiliency` pins it (adapters/_torch_compat.py; no session), the loop under
+pinned as the Lightning callback and Accelerate plugin pin it (lm_resiliency/_torch_compat.py; no
+session; `enable_resiliency` leaves DDP's layout as it is), the loop under
 `enable_resiliency` with GEMINI at `--interval` (default 10) and the same at interval 1. After a
 warm-up (which also
 fills GEMINI's host slots), the configurations run in interleaved rounds of `--steps` steps,

@@ -2,7 +2,8 @@
 
 DDP reduces gradients from C++, so `trace_collectives` (Python-level) cannot see it. This module
 registers one comm hook on the `DistributedDataParallel` object; it runs the user's hook (or
-`default_hooks.allreduce_hook`, what DDP does without a hook, bitwise) and around it:
+`ReducerAverage`, DDP's own averaging without a hook, bit for bit: torch's `allreduce_hook`
+rounds differently on 3 or more ranks) and around it:
 
 * marks each bucket's reduction as the beacon op "comm:ddp_grad_bucket" on the training thread,
   from the hook call until the bucket's future completes. A rank blocked before its backward is
@@ -31,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency._torch_compat import registered_hook_name, uses_python_reducer
+from lm_resiliency._torch_compat import ReducerAverage, registered_hook_name, uses_python_reducer
 from lm_resiliency.scout.monitor import COMMUNICATION_OP_PREFIX, ProgressBeacon
 from lm_resiliency.wrappers import find_ddp
 
@@ -59,11 +60,9 @@ class GradientBucketTrace:
     boundary from the training thread."""
 
     def __init__(self, ddp: Any, beacon: ProgressBeacon) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.ddp = ddp
         self.beacon = beacon
-        self._inner: Tuple[Any, Callable] = (ddp.process_group, default_hooks.allreduce_hook)
+        self._inner: Tuple[Any, Callable] = (ddp.process_group, ReducerAverage(ddp))
         self._names: Dict[int, str] = {id(p): n for n, p in ddp.module.named_parameters()}
         self._lock = threading.Lock()
         self._local: List[Tuple[int, torch.Tensor, List[torch.Tensor]]] = []   # (index, [min, max], params)

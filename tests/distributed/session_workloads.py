@@ -1,6 +1,7 @@
 """Training loops for the enable_resiliency tests (module level so child ranks can import them).
 
-The loops are the plain PyTorch loop a user writes; lm-resiliency attaches with one call.
+The loops are the plain PyTorch loop a user writes; lm-resiliency attaches with one call (and
+is not even imported by `train(..., options={"plain": True})`, the same loop without it).
 Data depends on the step only, dropout and numpy/python RNG make RNG restore matter, and an
 LR scheduler plus caller-owned counter cover deferred and extra state.
 """
@@ -8,13 +9,12 @@ LR scheduler plus caller-owned counter cover deferred and extra state.
 import os
 import random
 import signal
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
 
 class Net(nn.Module):
@@ -112,25 +112,34 @@ def final_state(model, optimizer, scheduler, counter):
 
 
 def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None, options=None):
-    """Train with lm-resiliency attached. Returns (resumed step, final state).
+    """Train with lm-resiliency attached. Returns (resumed step, final state, SCOUT's part: whether
+its DDP gradient trace is installed and the step of its last replay check; None when plain).
 
     `options` (all optional): "ddp" (DistributedDataParallel keyword arguments), "accumulate"
-    (micro-batches per step, all but the last under `no_sync()`), "stop" at `kill_after`: "kill_all"
-    (default: flush, then every rank SIGKILLed), "kill_one" (rank 1 SIGKILLed, the others end without
-    closing), "graceful" (`flush_for_restart()`, `close()`, exit); "shm_only" (no disk: slots in
-    shared memory under `folder`), "replication_jump", "pin" (False: DDP's bucket layout is not
-    pinned, adapters/_torch_compat.py)."""
+    (micro-batches per step, all but the last under `no_sync()`), "set_to_none" (False:
+    `zero_grad(set_to_none=False)`), "stop" at `kill_after`: "kill_all" (default: flush, then every
+    rank SIGKILLed), "kill_one" (rank 1 SIGKILLed, the others end without closing), "graceful"
+    (`flush_for_restart()`, `close()`, exit); "shm_only" (no disk: slots in shared memory under
+    `folder`), "replication_jump", "plain" (the same loop without lm-resiliency, never imported),
+    "restore_layout" (False: DDP's bucket layout is recorded but not restored on resume,
+    adapters/pytorch.py)."""
     options = dict(options or {})
-    if not options.get("pin", True):
-        from lm_resiliency import _torch_compat
-
-        _torch_compat._ENABLED = False
     model, wrapped, features = build(kind, rank, options.get("ddp"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     counter = {"samples": 0}
     accumulate = options.get("accumulate", 1)
     stop = options.get("stop", "kill_all")
+    if options.get("plain"):
+        _loop(wrapped, optimizer, scheduler, counter, features, rank, 0, steps, accumulate, options)
+        assert "lm_resiliency" not in sys.modules
+        return 0, final_state(model, optimizer, scheduler, counter), None
+    from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+
+    if not options.get("restore_layout", True):
+        import lm_resiliency.adapters.pytorch as pytorch_adapter
+
+        pytorch_adapter.restore_bucket_layout = lambda ddp, layout: False
     storage = (dict(disk_flush_interval=0, disk_folder=os.path.join(folder, "disk")) if options.get("shm_only")
                else dict(disk_folder=folder, disk_flush_interval=2))
     if options:
@@ -150,7 +159,21 @@ def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None, 
         load_fallback=load_fallback,
     )
     resumed = session.step_count
-    for step in range(session.step_count, steps):
+    if _loop(wrapped, optimizer, scheduler, counter, features, rank, session.step_count, steps, accumulate, options,
+             lambda step: step + 1 == kill_after and _stop(session, stop, rank, options)):
+        return None
+    result = final_state(model, optimizer, scheduler, counter)
+    scout = None if session.scout is None else {
+        "trace": session.scout._ddp_trace is not None,
+        "checked": session.last_replay_result.step if session.last_replay_result is not None else None}
+    session.close()
+    return resumed, result, scout
+
+
+def _loop(wrapped, optimizer, scheduler, counter, features, rank, start, steps, accumulate, options,
+          after_step=lambda step: False):
+    """Steps `start`..`steps - 1`; True when `after_step(step)` ended training early."""
+    for step in range(start, steps):
         for micro in range(accumulate):
             x = batch(step * accumulate + micro, rank, features)
             if micro + 1 < accumulate:
@@ -160,23 +183,27 @@ def train(rank, world, kind, folder, steps, kill_after=None, fallback_log=None, 
                 wrapped(x).pow(2).mean().backward()
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=options.get("set_to_none", True))
         counter["samples"] += 8
-        if kill_after is not None and step + 1 == kill_after:
-            if stop == "graceful":
-                session.flush_for_restart()
-                session.close()
-                return None
-            if stop == "kill_one":
-                session.manager._drain()  # the last capture is replicated before the kill
-                dist.barrier()
-                if rank == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return None
-            if not options.get("shm_only"):
-                session.flush_for_restart()  # the capture of the previous interval is on disk
-            session.manager._drain()
+        if after_step(step):
+            return True
+    return False
+
+
+def _stop(session, stop, rank, options):
+    """Stop as `options["stop"]` says (see `train`); True when this rank returns without a result."""
+    if stop == "graceful":
+        session.flush_for_restart()
+        session.close()
+        return True
+    if stop == "kill_one":
+        session.manager._drain()  # the last capture is replicated before the kill
+        dist.barrier()
+        if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-    result = final_state(model, optimizer, scheduler, counter)
-    session.close()
-    return resumed, result
+        return True
+    if not options.get("shm_only"):
+        session.flush_for_restart()  # the capture of the previous interval is on disk
+    session.manager._drain()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return True

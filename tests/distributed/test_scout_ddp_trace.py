@@ -277,14 +277,8 @@ def _train_plain_or_traced(rank, traced, user_hook, when):
                       "fp16": default_hooks.fp16_compress_hook}[user_hook], calls) if user_hook else None
     if hook is not None and when == "before":
         ddp.register_comm_hook(None, hook)
-    if traced:
-        session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False)
-    else:
-        # The same gradient-bucket layout lm-resiliency pins at attach: only the trace differs.
-        from lm_resiliency._torch_compat import pin_bucket_layout
-
-        session = None
-        pin_bucket_layout(ddp)
+    # Untraced: plain DDP, without lm-resiliency (DDP rebuilds its buckets as it would either way).
+    session = enable_resiliency(ddp, optimizer, interval=2, enable_checkpoint=False) if traced else None
     if hook is not None and when == "after":
         ddp.register_comm_hook(None, hook)
     for step in range(1, 5):

@@ -39,6 +39,21 @@ def test_cli_opt_in_counts_steps_captures_and_refuses_misuse(tmp_path):
     assert out["hooks_removed"]
 
 
+@pytest.mark.timeout(600)
+def test_each_capture_holds_the_data_position_of_its_own_step_boundary(tmp_path):
+    """GEMINI completes a capture in the next step's forward, after TorchTitan fetched the next batch;
+    its text dataset's `state_dict()` returns the live token buffers that fetch extends in place. Each
+    capture must still hold exactly the position TorchTitan's own checkpoint saves at that boundary."""
+    from tests.frameworks.torchtitan_workloads import captured_data_positions
+
+    # Every step captured (interval 1); the boundaries of steps 3 and 5 are ones where the next fetch
+    # extends the buffers in place (this data, one rank).
+    [out] = run_ranks(captured_data_positions, 1, str(tmp_path), 6, 1, timeout=500, init=False, env=_env())
+    assert sorted(out["gemini"]) == [1, 2, 3, 4, 5]
+    for step, position in out["gemini"].items():
+        assert position == out["titan"][step], f"the capture of step {step} holds another data position"
+
+
 @pytest.mark.slow  # four 2-rank TorchTitan launches: ~9 minutes on 2 loaded cores
 @pytest.mark.timeout(2400)
 def test_cli_opt_in_sigkill_resumes_bitwise_equal_and_newer_durable_load_is_refused(tmp_path):

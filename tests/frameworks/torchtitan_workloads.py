@@ -180,3 +180,37 @@ def scout_finds_corruption(rank: int, world: int, folder: str, faulty_rank: int)
     trainer.close()
     return out
 
+
+
+def captured_data_positions(rank: int, world: int, folder: str, steps: int, interval: int) -> Dict[str, Any]:
+    """`enable_resiliency(trainer, interval=interval)` on one rank, `steps` steps: the data position
+    GEMINI was handed at each capture, next to the one TorchTitan's own checkpoint would save at that
+    step boundary (its `dataloader.state_dict()`, pickled at once as DCP does)."""
+    import copy
+    import pickle
+
+    from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+
+    torchtitan_cpu.apply()
+    config = torchtitan_cpu.debug_config(os.path.join(folder, "assets"), os.path.join(folder, "dump"), steps=steps)
+    trainer = config.build()
+    titan: Dict[int, Any] = {}
+    # lr_schedulers.step() follows optimizers.step() and fetches nothing: the post-hook sees the boundary.
+    trainer.optimizers.optimizers[0].register_step_post_hook(
+        lambda *unused: titan.__setitem__(trainer.step, trainer.dataloader.state_dict()))
+    session = enable_resiliency(trainer, interval=interval, enable_detection=False, checkpoint=InMemoryCkptConfig(
+        run_id="titan-data", disk_folder=os.path.join(folder, "gemini"), shared_memory_dir=os.path.join(folder, "shm")))
+    gemini: Dict[int, Any] = {}
+    framework_state = session.adapter.framework_state
+
+    def recorded() -> Dict[str, Any]:
+        state = framework_state()
+        gemini[state["trainer"]["step"]] = copy.deepcopy(state["dataloader"])
+        return state
+
+    session.adapter.framework_state = recorded
+    trainer.train()
+    trainer.close()
+    own = {step: pickle.loads(state[next(key for key in state if key != "world_size")])
+           for step, state in titan.items()}
+    return {"gemini": gemini, "titan": {step: own[step] for step in gemini}}

@@ -1,8 +1,9 @@
 """The README's production command on CPU: `examples/production_loops/pytorch.py` (a DDP loop that
 never imports lm_resiliency) under `--rdzv-backend=lm_resiliency` with the shipped worker policy
 (GEMINI and SCOUT on), launched as the README writes it, ends bitwise equal to the same loop under
-torchrun's own c10d rendezvous without lm-resiliency (2 workers: DDP's sum of two gradients does not
-depend on bucket order)."""
+torchrun's own c10d rendezvous without lm-resiliency. 3 workers, where a sum depends on its order:
+lm-resiliency leaves DDP's bucket layout and gradient arithmetic as they are (docs/frameworks.md,
+"DDP and bitwise resume")."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from tests.torchrun.launcher import ROOT, agent_env, free_port, machine_id_file,
 POLICY = os.path.join(ROOT, "examples", "production_loops", "policies", "resiliency.toml")
 MODULE = "examples.production_loops.pytorch"
 STEPS = 24
+WORKERS = 3
 
 
 def _torchrun(rdzv: list, out: str) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.5", "--nnodes=1:2",
-            "--nproc-per-node=2", "--max-restarts=4", *rdzv, "--module", MODULE,
+            f"--nproc-per-node={WORKERS}", "--max-restarts=4", *rdzv, "--module", MODULE,
             "--validation-output-dir", out, "--steps", str(STEPS)]
 
 
@@ -44,7 +46,7 @@ def test_readme_production_command_runs_the_unchanged_loop_bitwise_equal_to_plai
         selected = json.load(f)
     assert (selected["generation"], selected["checkpoint_step"], selected["decision"]) == (0, 0, "fresh")
     records = sorted(name for name in os.listdir(os.path.dirname(context)) if name.startswith("worker-"))
-    assert records == ["worker-0.json", "worker-1.json"]
+    assert records == [f"worker-{rank}.json" for rank in range(WORKERS)]
     for name in records:
         with open(os.path.join(os.path.dirname(context), name)) as f:
             assert json.load(f)["step"] == 20  # the zero-import attach captured every 10 steps
