@@ -10,14 +10,13 @@ capture is therefore never re-stamped with a fresh, valid checksum.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from lm_resiliency._values import is_int
+from lm_resiliency.checksum import tensor_crc32
 from lm_resiliency.gemini.workers import BackgroundError
-from lm_resiliency.tensor_bytes import byte_windows
 
 CRC_KEY = "capture_crc32"
 CRC_CHUNK_BYTES = 16 * 1024 * 1024
@@ -33,17 +32,10 @@ class IntegrityError(BackgroundError):
     not published, written or loaded."""
 
 
-def _crc(data: torch.Tensor) -> int:
-    crc = 0
-    for window in byte_windows(data):
-        crc = zlib.crc32(window, crc)
-    return crc
-
-
 def capture_checksums(payload: torch.Tensor) -> Dict[str, Any]:
     """The capture record: CRC-32 of each `CRC_CHUNK_BYTES` chunk of a 1-D uint8 payload."""
     size = CRC_CHUNK_BYTES
-    crcs = [_crc(payload[i: i + size]) for i in range(0, payload.numel(), size)]
+    crcs = [tensor_crc32(payload[i: i + size]) for i in range(0, payload.numel(), size)]
     return {"chunk_bytes": size, "total_bytes": payload.numel(), "crc32": crcs}
 
 
@@ -64,7 +56,7 @@ def checksum_problem(extra: Optional[dict], payload: torch.Tensor) -> Optional[s
         return (f"it has {payload.numel()} bytes, its capture checksum covers {record['total_bytes']} "
                 f"in {len(record['crc32'])} chunks")
     for index, expected in enumerate(record["crc32"]):
-        actual = _crc(payload[index * size: (index + 1) * size])
+        actual = tensor_crc32(payload[index * size: (index + 1) * size])
         if actual != expected:
             return (f"CRC-32 mismatch in chunk {index} (bytes {index * size}..): captured "
                     f"{expected:#010x}, now {actual:#010x}; the bytes changed after capture")

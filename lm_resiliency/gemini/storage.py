@@ -49,7 +49,6 @@ import socket
 import stat
 import time
 import zipfile
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, BinaryIO, List, Optional, Set
@@ -57,10 +56,10 @@ from typing import Any, BinaryIO, List, Optional, Set
 import torch
 
 from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
 
 from lm_resiliency.codec import Layout, StateSchemaError
-from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +223,7 @@ def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
     """CRC-32 over the canonical metadata (everything but the CRC) and the payload bytes, so a
     flipped byte in the structure or identity is caught as surely as one in a tensor."""
     canonical = json.dumps(metadata, sort_keys=True, allow_nan=False, separators=(",", ":"))
-    crc = zlib.crc32(canonical.encode("utf-8"))
-    for window in byte_windows(payload):
-        crc = zlib.crc32(window, crc)
-    return crc
+    return tensor_crc32(payload, crc32(canonical.encode("utf-8")))
 
 
 def _zip_refusal(f: BinaryIO) -> Optional[str]:

@@ -19,7 +19,6 @@ import importlib
 import logging
 import os
 import secrets
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency._values import is_int
+from lm_resiliency.checksum import tensor_crc32
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey
 from lm_resiliency.manager_api.transfer_metadata import (
     TransferKey,
@@ -41,7 +41,6 @@ from lm_resiliency.manager_api.transfer_metadata import (
     chunk_bounds,
     metadata_crc,
 )
-from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +87,14 @@ def _shard_key(key: TransferKey, store: NodeLocalStore) -> ShardKey:
     return ShardKey("own" if store.rank == key.source_rank else "peer", key.source_rank, key.step)
 
 
-def _crc(view: torch.Tensor) -> int:
-    crc = 0
-    for window in byte_windows(view):
-        crc = zlib.crc32(window, crc)
-    return crc
-
-
 def build_offer(key: TransferKey, shard: Shard, sender: int, receiver: int, topology: str,
                 chunk_size: int) -> TransferRecord:
     """The offer a sender publishes for `shard`: its metadata and one CRC-32 per chunk."""
     payload, layout = shard.payload, shard.layout.to_json()
     bounds = chunk_bounds(payload.numel(), chunk_size)
     return TransferRecord(key, sender, receiver, secrets.token_hex(8), topology, layout, shard.structure,
-                          shard.extra, payload.numel(), chunk_size, tuple(_crc(payload[o:o + n]) for o, n in bounds),
+                          shard.extra, payload.numel(), chunk_size,
+                          tuple(tensor_crc32(payload[o:o + n]) for o, n in bounds),
                           metadata_crc(layout, shard.structure, shard.extra))
 
 
@@ -198,7 +191,7 @@ class TorchDistTransfer(CheckpointTransfer):
             for tag, (offset, length) in enumerate(bounds):
                 view = payload[offset:offset + length]
                 pair.recv(view, tag)
-                if _crc(view) != record.chunk_crc32[tag]:
+                if tensor_crc32(view) != record.chunk_crc32[tag]:
                     bad.append(tag)  # keep receiving: the sender's chunks are all sent regardless
             if bad:
                 raise TransferRefused(f"rank {self.rank} refuses the transfer of {key} from rank {from_rank}: "

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import re
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Tuple
@@ -21,6 +20,7 @@ from typing import Any, Optional, Tuple
 import torch.distributed as dist
 
 from lm_resiliency._values import is_int
+from lm_resiliency.checksum import crc32
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.wire import MAX_JSON_BYTES
@@ -77,7 +77,7 @@ def chunk_bounds(total_bytes: int, chunk_size: int) -> Tuple[Tuple[int, int], ..
 
 def metadata_crc(layout: dict, structure: Any, extra: dict) -> int:
     canonical = json.dumps([layout, structure, extra], sort_keys=True, allow_nan=False, separators=(",", ":"))
-    return zlib.crc32(canonical.encode("utf-8"))
+    return crc32(canonical.encode("utf-8"))
 
 
 @dataclass(frozen=True)
