@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency import wire
+from lm_resiliency import checksum, wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
@@ -161,6 +161,8 @@ class InMemoryCheckpointManager:
         if self.rank == 0:
             logger.info("GEMINI: run %r keeps node-local state under %s (a relaunch must use the same folder)",
                         self.run_id, self.config.disk_folder)
+            if self.config.verify_integrity and checksum.BACKEND != "isal":
+                logger.info("GEMINI: integrity checksums: %s", checksum.backend_notice())
         allocate = allocator or heap_allocator(self.config.pin_memory)
         if allocator is None and self.config.host_memory == "shared":
             self._arena = self._open_arena()
