@@ -43,8 +43,9 @@ class InMemoryCkptConfig:
     `verify_integrity` (default True) checksums every capture once, right after its copy, and
     checks the bytes against that checksum at every hand-off (replica receipt, flush, recovery);
     state without a checksum (written with it off) is then not eligible for recovery.
-    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state (the session
-    checks those; a direct `save()` checks every floating tensor): it is never published as
+    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state, its param
+    groups' values (`lr`) included (the session checks those; a direct `save()` checks every
+    floating tensor, Python float and NumPy value of the state): it is never published as
     recoverable or certified, and `NonFiniteState` is raised.
     """
 

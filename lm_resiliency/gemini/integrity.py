@@ -10,12 +10,13 @@ capture is therefore never re-stamped with a fresh, valid checksum.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from lm_resiliency._values import is_int
 from lm_resiliency.checksum import tensor_crc32
+from lm_resiliency.codec import StateEncodingError, encode_state
 from lm_resiliency.gemini.workers import BackgroundError
 
 CRC_KEY = "capture_crc32"
@@ -71,8 +72,16 @@ def _total(tensor: torch.Tensor) -> torch.Tensor:
         total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 and not tensor.is_complex() \
             else tensor.sum()
     except (RuntimeError, TypeError):  # dtypes without a sum kernel (float8)
-        total = torch.where(torch.isfinite(tensor.float()).all(), 0.0, float("nan"))
+        total = torch.where(_all_finite(tensor), 0.0, float("nan"))
     return (total.abs() if total.is_complex() else total).double()
+
+
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every element finite. float8 has no isfinite kernel; float32 holds its NaN and Inf."""
+    try:
+        return torch.isfinite(tensor).all()
+    except (NotImplementedError, RuntimeError):
+        return torch.isfinite(tensor.float()).all()
 
 
 def nonfinite_indices(tensors: List[torch.Tensor]) -> List[int]:
@@ -87,7 +96,23 @@ def nonfinite_indices(tensors: List[torch.Tensor]) -> List[int]:
         flags = torch.isfinite(torch.stack([_total(tensors[i]) for i in indices])).cpu().tolist()
         suspects += [i for i, ok in zip(indices, flags) if not ok]
     # A non-finite sum of finite values (overflow) is not a non-finite tensor.
-    return sorted(i for i in suspects if not bool(torch.isfinite(tensors[i]).all()))
+    return sorted(i for i in suspects if not bool(_all_finite(tensors[i])))
+
+
+def nonfinite_values(named: Iterable[Tuple[str, Any]]) -> List[str]:
+    """Paths of the NaN and Inf among (name, value) pairs whatever holds them: tensors, NumPy
+    arrays and scalars, Python floats, nested in lists, tuples and dicts (e.g. an optimizer's
+    ``param_groups[0]['lr']``). A value GEMINI cannot capture is skipped: it is never restored."""
+    found: List[str] = []
+    for name, value in named:
+        try:
+            encoded = encode_state(value)
+        except StateEncodingError:
+            continue
+        found += [name + path.removeprefix("state") for path in encoded.nonfinite]
+        paths = leaf_paths(encoded.structure, nonfinite_indices(encoded.tensors))
+        found += [name + path.removeprefix("state") for path in paths]
+    return found
 
 
 def leaf_paths(structure: Any, indices: List[int]) -> List[str]:

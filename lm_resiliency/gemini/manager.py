@@ -251,7 +251,8 @@ class InMemoryCheckpointManager:
         pending = launch_copy(target.views(), encoded.tensors)
         self._capture_done.clear()
         check = self.config.check_finite if check_finite is None else bool(check_finite)
-        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure, check))
+        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure,
+                                                                   encoded.nonfinite if check else None))
 
     def _layout_for(self, tensors: list) -> Layout:
         """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
@@ -284,11 +285,14 @@ class InMemoryCheckpointManager:
         ready = self._own.ready_slots()
         return ready[0].step if ready else -1
 
-    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any, check_finite: bool) -> None:
+    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any,
+                          nonfinite_values: Optional[Tuple[str, ...]]) -> None:
+        """`nonfinite_values`: None when the finite check is off, else the paths of the
+        non-tensor values that hold NaN or Inf (found while encoding)."""
         try:
             pending.finish()
-            if check_finite:
-                self._check_finite(target, step, structure)
+            if nonfinite_values is not None:
+                self._check_finite(target, step, structure, nonfinite_values)
             extra: Dict[str, Any] = {timeline.TIMELINE_KEY: self._timeline.record()}
             if self.config.verify_integrity:
                 extra[CRC_KEY] = capture_checksums(target.payload())  # once, over the captured bytes
@@ -307,13 +311,13 @@ class InMemoryCheckpointManager:
         finally:
             self._capture_done.set()
 
-    def _check_finite(self, target: HostSlot, step: int, structure: Any) -> None:
-        """Refuse (never publish) a capture with NaN/Inf in a floating tensor; the previous
-        capture stays the newest recoverable one."""
+    def _check_finite(self, target: HostSlot, step: int, structure: Any, values: Tuple[str, ...]) -> None:
+        """Refuse (never publish) a capture with NaN/Inf in a floating tensor, a float or a NumPy
+        value; the previous capture stays the newest recoverable one."""
         bad = nonfinite_indices(target.views())
-        if not bad:
+        if not bad and not values:
             return
-        paths = leaf_paths(structure, bad)
+        paths = leaf_paths(structure, bad) + list(values)
         shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
         message = (f"GEMINI capture of step {step} refused on rank {self.rank}: non-finite values (NaN or "
                    f"Inf) in {shown}. The step is not recoverable; the newest recoverable capture is "
