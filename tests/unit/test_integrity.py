@@ -99,16 +99,21 @@ def test_nonfinite_state_is_never_certified(tmp_path):
         ledger.boundary(6, "clean", True, finite=None)
 
 
-def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffer(tmp_path):
+def _session(tmp_path, model, optimizer):
+    """enable_resiliency with GEMINI alone, capturing every 2 steps into heap slots."""
     from lm_resiliency import enable_resiliency
 
+    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan", host_memory="heap",
+                                disk_flush_interval=0, timeout_s=10)
+    return enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+
+
+def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffer(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended: never refused
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan", host_memory="heap",
-                                disk_flush_interval=0, timeout_s=10)
-    session = enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+    session = _session(tmp_path, model, optimizer)
     error = None
     try:
         for step in range(1, 5):
@@ -177,15 +182,11 @@ def test_check_finite_false_captures_intended_nonfinite_values(tmp_path):
 
 @pytest.mark.parametrize("where", ["lr", "betas", "state-value"])
 def test_session_refuses_a_nan_learning_rate_and_other_optimizer_values(tmp_path, where):
-    from lm_resiliency import enable_resiliency
-
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     model.frozen_now = torch.nn.Parameter(torch.zeros(2))  # gets no gradient: a NaN lr leaves it alone
     optimizer = torch.optim.Adam([{"params": [model.weight, model.bias]}, {"params": [model.frozen_now]}], lr=0.1)
-    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan-lr", host_memory="heap",
-                                disk_flush_interval=0, timeout_s=10)
-    session = enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+    session = _session(tmp_path, model, optimizer)
     error = None
     try:
         for step in range(1, 5):
