@@ -261,6 +261,14 @@ def _encode_numpy(value: Any, where: Callable[[], str], nonfinite: List[str]) ->
     return None
 
 
+def check_structure(structure: Any, layout: Layout) -> None:
+    """Raise StateSchemaError unless `structure` decodes with the tensors of `layout`, each
+    referenced exactly once: what `decode_state` requires, checked while a copy can still be
+    refused (before recovery chooses it), not when its bytes arrive."""
+    placeholder = torch.empty(0)
+    decode_state(structure, [placeholder] * len(layout.specs))
+
+
 def decode_state(structure: Any, tensors: List[torch.Tensor]) -> Any:
     """Rebuild the nested state. Every tensor leaf must be referenced exactly once."""
     used = [False] * len(tensors)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lm_resiliency import checksum, wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
-from lm_resiliency.codec import Layout, decode_state, encode_state
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure, decode_state, encode_state
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini import timeline
@@ -804,6 +804,11 @@ class InMemoryCheckpointManager:
             problem = f"rank {holder} sent timeline {lineage}, the plan is {plan.lineage}"
         elif self.config.verify_integrity:
             problem = checksum_problem(header["extra"], payload)
+        if problem is None:
+            try:  # refused on every rank alike below, instead of failing in decode_state on this one
+                check_structure(header["structure"], layout)
+            except StateSchemaError as exc:
+                problem = f"rank {holder} sent a structure that does not match its layout: {exc}"
         return layout, header["structure"], layout.views(payload), problem
 
     def _check_replica_header(self, header: Any, holder: int, step: int) -> Layout:

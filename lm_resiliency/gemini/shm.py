@@ -75,7 +75,7 @@ from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned
-from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
 
@@ -551,9 +551,13 @@ class SharedSlotArena:
                 or not all(_is_int(v) and v >= 0 for v in seg.values())):
             raise bad("segment must be an object of non-negative integers size, dev, ino")
         try:
-            Layout.from_json(doc["layout"])
+            layout = Layout.from_json(doc["layout"])
         except StateSchemaError as exc:
             raise bad(f"bad layout: {exc}") from exc
+        try:
+            check_structure(doc["structure"], layout)
+        except StateSchemaError as exc:
+            raise bad(f"its structure does not match its layout of {len(layout.specs)} tensors: {exc}") from exc
         return doc
 
     def verify(self, name: str) -> Optional[str]:

@@ -59,7 +59,7 @@ from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
 
-from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 
 logger = logging.getLogger(__name__)
 
@@ -647,6 +647,10 @@ class NodeLocalStore:
             layout = Layout.from_json(meta["layout"])
         except StateSchemaError as exc:
             raise bad(f"bad layout: {exc}") from exc
+        try:
+            check_structure(meta["structure"], layout)
+        except StateSchemaError as exc:
+            raise bad(f"its structure does not match its layout of {len(layout.specs)} tensors: {exc}") from exc
 
         payload = obj["payload"]
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
