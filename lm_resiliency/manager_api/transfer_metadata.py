@@ -68,8 +68,14 @@ class TransferKey:
         return f"step {self.step} of rank {self.source_rank} (run {self.run_id!r})"
 
 
+def chunk_count(total_bytes: int, chunk_size: int) -> int:
+    """How many chunks `chunk_bounds` makes, in constant time: what a claimed size is checked by."""
+    return max(1, -(-total_bytes // chunk_size))
+
+
 def chunk_bounds(total_bytes: int, chunk_size: int) -> Tuple[Tuple[int, int], ...]:
-    """(offset, length) of each chunk; an empty payload is one empty chunk."""
+    """(offset, length) of each chunk; an empty payload is one empty chunk. Linear in the chunk
+    count: build it only for an offer whose checksum list has that many entries."""
     if total_bytes == 0:
         return ((0, 0),)
     return tuple((offset, min(chunk_size, total_bytes - offset)) for offset in range(0, total_bytes, chunk_size))
@@ -136,9 +142,11 @@ class TransferRecord:
 
 
 def check_offer(record: TransferRecord, key: TransferKey, sender: int, receiver: int, topology: str,
-                max_bytes: Optional[int]) -> Layout:
+                max_bytes: Optional[int], limit: Optional[str] = None) -> Layout:
     """The offer's layout when `record` is the transfer the receiver expects; TransferRefused,
-    naming the field, otherwise. Runs before anything is allocated or written."""
+    naming the field, otherwise. Runs before anything is allocated or written, in time and memory
+    bounded by the record's own size whatever byte count it claims. `limit` says where
+    `max_bytes` comes from (default: "max_bytes=<n>")."""
     def refuse(why: str) -> TransferRefused:
         return TransferRefused(f"rank {receiver} refuses the transfer of {key} from rank {sender}: {why}; "
                                "nothing is written")
@@ -157,10 +165,10 @@ def check_offer(record: TransferRecord, key: TransferKey, sender: int, receiver:
     if record.total_bytes != layout.total_bytes:
         raise refuse(f"it announces {record.total_bytes} bytes, its layout holds {layout.total_bytes}")
     if max_bytes is not None and record.total_bytes > max_bytes:
-        raise refuse(f"it announces {record.total_bytes} bytes, more than max_bytes={max_bytes}")
+        raise refuse(f"it announces {record.total_bytes} bytes, more than {limit or f'max_bytes={max_bytes}'}")
     if record.chunk_size <= 0:
         raise refuse(f"chunk size {record.chunk_size} is not positive")
-    expected = len(chunk_bounds(record.total_bytes, record.chunk_size))
+    expected = chunk_count(record.total_bytes, record.chunk_size)
     if len(record.chunk_crc32) != expected:
         raise refuse(f"it carries {len(record.chunk_crc32)} chunk checksums, {record.total_bytes} bytes in "
                      f"{record.chunk_size}-byte chunks make {expected}")
