@@ -966,6 +966,8 @@ class InMemoryCheckpointManager:
 
     def _release(self, keep_shared: bool) -> None:
         self._release_sources()
+        if getattr(self, "store", None) is not None:
+            self.store.detach()
         for pair in (getattr(self, "_own", None), getattr(self, "_peer", None)):
             if pair is not None:
                 pair.drop_buffers()
