@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lm_resiliency._values import is_int
 from lm_resiliency.checksum import crc32
-from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.wire import MAX_JSON_BYTES
 
@@ -174,6 +174,10 @@ def check_offer(record: TransferRecord, key: TransferKey, sender: int, receiver:
                      f"{record.chunk_size}-byte chunks make {expected}")
     if metadata_crc(record.layout, record.structure, record.extra) != record.metadata_crc32:
         raise refuse("its metadata checksum does not match its layout, structure and extra")
+    try:  # a shard published from it would be refused by every reader
+        check_structure(record.structure, layout)
+    except StateSchemaError as exc:
+        raise refuse(f"its structure does not match its layout ({exc})") from exc
     return layout
 
 

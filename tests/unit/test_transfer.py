@@ -231,3 +231,12 @@ def test_an_offer_larger_than_this_host_can_take_is_refused_by_default(tmp_path)
     doc = _claiming(2 ** 40, 2 ** 24, [0] * 2 ** 16)  # a consistent offer of 1 TiB
     _refused_with_bounded_memory(tmp_path, doc, r"announces 1099511627776 bytes, more than this host can take "
                                                 r"\(\d+ bytes of physical memory, \d+ bytes free under .*node-1")
+
+
+def test_an_offer_whose_structure_disagrees_with_its_layout_is_refused(tmp_path):
+    sender, _ = _stores(tmp_path)
+    doc = _offer(sender)
+    structure = {"t": "dict", "items": [["values", {"t": "tensor", "i": 0}]]}  # the second tensor is lost
+    doc.update(structure=structure, metadata_crc32=metadata_crc(doc["layout"], structure, doc["extra"]))
+    _refused_before_writing(tmp_path, doc, r"its structure does not match its layout .*1 tensor leaves are not "
+                                           "referenced")
