@@ -13,8 +13,13 @@ with --dry-run, would remove) and every one it keeps, with the reason.
   owner's slots, slots of another boot or PID namespace and directories without a valid owner
   record are never removed.
 - Node-local folders (`--disk-folder`, the runs' `disk_folder`): a run's directory is removed when
-  no file in it changed for AGE and no live process holds shared-memory slots of that run. A run
-  with `host_memory="heap"` leaves no such record: choose AGE longer than its disk flush period.
+  no file in it changed for AGE and no live process uses it. Every process that attaches to a run
+  records itself in the run's directory (scope, PID, start time), whatever holds its host slots
+  (shared memory or `host_memory="heap"`): a live one of this boot and PID namespace keeps the
+  run, however the folder is spelled (a symbolic link alias, a relative path) and whichever
+  `--shared-memory-dir` is given. A run is also kept while any shared-memory rank directory of its
+  run id and topology under that directory is in use. Records of another boot or PID namespace
+  cannot be checked here: such a run is judged by AGE alone.
 
 AGE is seconds, or a number with s, m, h or d; the default is 24h, the automatic bound.
 `--older-than 0` removes every dead run's state now.
@@ -33,8 +38,8 @@ from typing import Iterable, List, Optional, Sequence
 
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.gemini.shm import (NAMESPACE_RE, default_shared_memory_dir, judge_rank_dirs, last_written,
-                                      remove_dead_temp_dirs, remove_tree, shared_namespace_of)
-from lm_resiliency.gemini.storage import temp_scope
+                                      remove_dead_temp_dirs, remove_tree)
+from lm_resiliency.gemini.storage import attachment, temp_scope
 
 _DISK_NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}")
 _DISK_RANK_RE = re.compile(r"rank-\d{5}")
@@ -140,16 +145,16 @@ def _clean_disk(folder: str, shm_root: str, older_than_s: float, dry_run: bool) 
             if not _DISK_NAMESPACE_RE.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
                 continue
             path = os.path.join(folder, entry.name)
-            holder = _shared_memory_holder(shm_root, shared_namespace_of(entry.name, folder), scope)
-            if holder is not None:
-                items.append(CleanupItem(path, "disk", False, holder))
-                continue
             try:
                 ns_fd = _open_private_dir(path, folder_fd, entry.name)
             except CleanupError as exc:
                 items.append(CleanupItem(path, "disk", False, str(exc)))
                 continue
             try:
+                holder = _live_attachment(ns_fd) or _shared_memory_holder(shm_root, entry.name, scope)
+                if holder is not None:
+                    items.append(CleanupItem(path, "disk", False, holder))
+                    continue
                 ranks = [e.name for e in os.scandir(ns_fd)
                          if _DISK_RANK_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
                 age = time.time() - max([last_written(ns_fd)] + [_rank_written(ns_fd, r) for r in ranks])
@@ -161,33 +166,50 @@ def _clean_disk(folder: str, shm_root: str, older_than_s: float, dry_run: bool) 
                 if not dry_run:
                     for rank in ranks:
                         remove_tree(ns_fd, rank)
+                    for record in [e.name for e in os.scandir(ns_fd) if attachment(e.name) is not None]:
+                        os.unlink(record, dir_fd=ns_fd)  # dead (or uncheckable and old) processes
             finally:
                 os.close(ns_fd)
             if not dry_run:
                 _rmdir_if_empty(folder_fd, entry.name)
-            items.append(CleanupItem(path, "disk", True, f"last written {age:.0f} s ago, no live process holds "
-                                     "its shared-memory slots", size))
+            items.append(CleanupItem(path, "disk", True, f"last written {age:.0f} s ago, no live process uses it "
+                                     "or holds its shared-memory slots", size))
     finally:
         os.close(folder_fd)
     return items
 
 
-def _shared_memory_holder(shm_root: str, namespace: str, scope: str) -> Optional[str]:
-    """Why the run of `namespace` may still be running (its shared-memory rank directories), or None."""
-    ns_path = os.path.join(shm_root, namespace)
-    try:
-        ns_fd = _open_private_dir(ns_path)
-    except CleanupError as exc:
-        if os.path.lexists(ns_path):
-            return f"its shared-memory slots {ns_path} cannot be checked: {exc}"
+def _live_attachment(ns_fd: int) -> Optional[str]:
+    """Why the run whose node-local namespace is open as `ns_fd` is in use (a live process's
+    attachment record), or None."""
+    live = [e.name for e in os.scandir(ns_fd) if attachment(e.name) == "live"]
+    if not live:
         return None
-    try:
-        verdicts = judge_rank_dirs(ns_fd, ns_path, os.geteuid(), scope, 0.0)
-    finally:
-        os.close(ns_fd)
-    for verdict in verdicts:
-        if verdict.kind in ("live", "foreign", "unattributable"):
-            return f"its shared-memory slots {verdict.path} are in use or cannot be checked ({verdict.reason})"
+    pids = sorted({int(name.split("-")[2]) for name in live})
+    return f"in use by live process(es) {pids} of this boot and PID namespace"
+
+
+def _shared_memory_holder(shm_root: str, disk_namespace: str, scope: str) -> Optional[str]:
+    """Why the run of `disk_namespace` may still be running (its shared-memory rank directories
+    under `shm_root`, for whatever spelling of the disk folder the run used), or None."""
+    if not os.path.isdir(shm_root):
+        return None
+    for name in sorted(os.listdir(shm_root)):
+        # <disk namespace>-<hash of the disk folder as the run spelled it>: any spelling counts.
+        if not NAMESPACE_RE.fullmatch(name) or name.rsplit("-", 1)[0] != disk_namespace:
+            continue
+        ns_path = os.path.join(shm_root, name)
+        try:
+            ns_fd = _open_private_dir(ns_path)
+        except CleanupError as exc:
+            return f"its shared-memory slots {ns_path} cannot be checked: {exc}"
+        try:
+            verdicts = judge_rank_dirs(ns_fd, ns_path, os.geteuid(), scope, 0.0)
+        finally:
+            os.close(ns_fd)
+        for verdict in verdicts:
+            if verdict.kind in ("live", "foreign", "unattributable"):
+                return f"its shared-memory slots {verdict.path} are in use or cannot be checked ({verdict.reason})"
     return None
 
 

@@ -145,10 +145,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class EncodedState:
-    """A state dict split into a JSON-able structure and its tensor leaves (in order)."""
+    """A state dict split into a JSON-able structure and its tensor leaves (in order).
+    `nonfinite` names the values outside tensors that hold NaN or Inf (Python floats, NumPy
+    arrays and scalars), found while encoding; the tensors are checked after their copy."""
 
     structure: Any
     tensors: List[torch.Tensor]
+    nonfinite: Tuple[str, ...] = ()
 
 
 def _local_tensor(value: torch.Tensor) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -166,6 +169,7 @@ def encode_state(state: Any) -> EncodedState:
     path of a value is only spelled out when it is rejected."""
     tensors: List[torch.Tensor] = []
     keys: List[Any] = []
+    nonfinite: List[str] = []
 
     def where() -> str:
         return "state" + "".join(f"[{k!r}]" for k in keys)
@@ -211,13 +215,16 @@ def encode_state(state: Any) -> EncodedState:
                 encoded.append(enc(item))
                 keys.pop()
             return {"t": "list" if isinstance(value, list) else "tuple", "items": encoded}
-        numpy_node = _encode_numpy(value, where)
+        numpy_node = _encode_numpy(value, where, nonfinite)
         if numpy_node is not None:  # before float: numpy.float64 subclasses float
             return numpy_node
         if isinstance(value, (bool, str)) or _is_int(value):
             return value
         if isinstance(value, float):
-            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+            if math.isfinite(value):
+                return value
+            nonfinite.append(where())
+            return {"t": "float", "v": repr(value)}
         if isinstance(value, torch.dtype):
             return {"t": "dtype", "v": _checked_dtype(value, where())}
         if isinstance(value, torch.device):
@@ -227,7 +234,7 @@ def encode_state(state: Any) -> EncodedState:
             "without pickle. Convert it to plain Python/NumPy/tensor values in your state_dict or "
             "extra_state_fn.")
 
-    return EncodedState(enc(state), tensors)
+    return EncodedState(enc(state), tensors, tuple(nonfinite))
 
 
 def _checked_dtype(dtype: torch.dtype, path: str) -> str:
@@ -237,18 +244,29 @@ def _checked_dtype(dtype: torch.dtype, path: str) -> str:
         raise StateEncodingError(f"{path}: {exc}") from None
 
 
-def _encode_numpy(value: Any, where: Callable[[], str]) -> Optional[dict]:
+def _encode_numpy(value: Any, where: Callable[[], str], nonfinite: List[str]) -> Optional[dict]:
     np = sys.modules.get("numpy")
     if np is None:  # values of NumPy types cannot exist without NumPy imported
         return None
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise StateEncodingError(f"{where()}: NumPy object arrays cannot be captured without pickle")
+        if value.dtype.kind in "fc" and value.size and not np.isfinite(value).all():
+            nonfinite.append(where())
         data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode("ascii")
         return {"t": "ndarray", "dtype": value.dtype.str, "shape": list(value.shape), "b64": data}
     if isinstance(value, np.generic):
-        return {"t": "npscalar", "dtype": value.dtype.str, "v": _encode_numpy(np.asarray(value), where)}
+        return {"t": "npscalar", "dtype": value.dtype.str,
+                "v": _encode_numpy(np.asarray(value), where, nonfinite)}
     return None
+
+
+def check_structure(structure: Any, layout: Layout) -> None:
+    """Raise StateSchemaError unless `structure` decodes with the tensors of `layout`, each
+    referenced exactly once: what `decode_state` requires, checked while a copy can still be
+    refused (before recovery chooses it), not when its bytes arrive."""
+    placeholder = torch.empty(0)
+    decode_state(structure, [placeholder] * len(layout.specs))
 
 
 def decode_state(structure: Any, tensors: List[torch.Tensor]) -> Any:

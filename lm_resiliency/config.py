@@ -40,10 +40,12 @@ class InMemoryCkptConfig:
     `reap_other_runs_after_s`: a starting job removes shared-memory slots of OTHER run ids whose
     processes are dead only when they were last written this many seconds ago (default 24 h;
     `math.inf`: never; `python -m lm_resiliency.cleanup` removes them on demand).
-    `verify_integrity` checksums every capture once, right after its copy, and checks the bytes
-    against that checksum at every hand-off (replica receipt, flush, recovery).
-    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state (the session
-    checks those; a direct `save()` checks every floating tensor): it is never published as
+    `verify_integrity` (default True) checksums every capture once, right after its copy, and
+    checks the bytes against that checksum at every hand-off (replica receipt, flush, recovery);
+    state without a checksum (written with it off) is then not eligible for recovery.
+    `check_finite` refuses a capture with NaN or Inf in parameters or optimizer state, its param
+    groups' values (`lr`) included (the session checks those; a direct `save()` checks every
+    floating tensor, Python float and NumPy value of the state): it is never published as
     recoverable or certified, and `NonFiniteState` is raised.
     """
 
@@ -54,7 +56,7 @@ class InMemoryCkptConfig:
     disk_flush_interval: int = 100
     disk_folder: str = "./checkpoints"
     run_id: Optional[str] = None
-    verify_integrity: bool = False
+    verify_integrity: bool = True
     skip_replication_if_hsdp: bool = True
     pin_memory: bool = True
     timeout_s: float = 300.0

@@ -33,7 +33,7 @@ from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.gemini.identity import FIX
-from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
+from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices, nonfinite_values
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
@@ -339,20 +339,30 @@ class ResiliencySession:
         raise NonFiniteState(message)
 
     def _nonfinite_state(self) -> Optional[list]:
-        """Names of the model's parameters and the optimizer's state tensors that hold NaN or Inf
-        (local shards of distributed tensors); None when the adapter exposes no module (then the
-        manager checks the whole capture). Buffers and framework metric state may hold intended
-        infinities (a -inf mask, EarlyStopping's initial best score) and are not checked."""
+        """Names of the model's parameters and the optimizer's state (its state tensors and
+        values, and every hyperparameter of its param groups, e.g. a NaN `lr`) that hold NaN or
+        Inf (local shards of distributed tensors); None when the adapter exposes no module (then
+        the manager checks the whole capture). Buffers and framework metric state may hold
+        intended infinities (a -inf mask, EarlyStopping's initial best score) and are not checked."""
         try:
             model, optimizer = self.adapter.replay_targets()
         except NotImplementedError:
             return None
         named = list(model.named_parameters())
+        values = []  # everything else the optimizer's state_dict() holds, small
         for index, state in enumerate(getattr(optimizer, "state", {}).values()):
-            named += [(f"optimizer.state[{index}][{key!r}]", value) for key, value in state.items()
-                      if isinstance(value, torch.Tensor)]
+            for key, value in state.items():
+                where = f"optimizer.state[{index}][{key!r}]"
+                if isinstance(value, torch.Tensor):  # checked together: one synchronization
+                    named.append((where, value))
+                else:
+                    values.append((where, value))
+        for index, group in enumerate(getattr(optimizer, "param_groups", [])):
+            values += [(f"optimizer.param_groups[{index}][{key!r}]", value) for key, value in group.items()
+                       if key != "params"]
         tensors = [t.to_local() if type(t).__name__ == "DTensor" else t for _, t in named]
-        return [named[i][0] for i in nonfinite_indices([t.detach() for t in tensors])]
+        return ([named[i][0] for i in nonfinite_indices([t.detach() for t in tensors])]
+                + nonfinite_values(values))
 
     def _skipped_optimizer_step(self) -> None:
         """A step boundary whose optimizer.step() was skipped (a GradScaler found inf/NaN gradients).

@@ -60,3 +60,6 @@ def test_gemini_capture_costs_time_every_integrity_setting(tmp_path):
     assert sorted(result["settings"]) == [f"verify_integrity={v},check_finite={f}"
                                           for v in (False, True) for f in (False, True)]
     assert all(len(s["per_rep_capture_s"]) == 2 for s in result["settings"].values())
+    # The one-pass costs side by side with the copy itself, and both CRC-32 implementations.
+    assert all(result[key] > 0 for key in ("copy_s", "crc32_s", "crc32_zlib_s", "finite_check_s"))
+    assert result["crc32_backend"] in ("isal", "zlib") and result["crc32_speedup_vs_zlib"] > 0

@@ -10,14 +10,14 @@ capture is therefore never re-stamped with a fresh, valid checksum.
 
 from __future__ import annotations
 
-import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from lm_resiliency._values import is_int
+from lm_resiliency.checksum import tensor_crc32
+from lm_resiliency.codec import StateEncodingError, encode_state
 from lm_resiliency.gemini.workers import BackgroundError
-from lm_resiliency.tensor_bytes import byte_windows
 
 CRC_KEY = "capture_crc32"
 CRC_CHUNK_BYTES = 16 * 1024 * 1024
@@ -33,17 +33,10 @@ class IntegrityError(BackgroundError):
     not published, written or loaded."""
 
 
-def _crc(data: torch.Tensor) -> int:
-    crc = 0
-    for window in byte_windows(data):
-        crc = zlib.crc32(window, crc)
-    return crc
-
-
 def capture_checksums(payload: torch.Tensor) -> Dict[str, Any]:
     """The capture record: CRC-32 of each `CRC_CHUNK_BYTES` chunk of a 1-D uint8 payload."""
     size = CRC_CHUNK_BYTES
-    crcs = [_crc(payload[i: i + size]) for i in range(0, payload.numel(), size)]
+    crcs = [tensor_crc32(payload[i: i + size]) for i in range(0, payload.numel(), size)]
     return {"chunk_bytes": size, "total_bytes": payload.numel(), "crc32": crcs}
 
 
@@ -64,7 +57,7 @@ def checksum_problem(extra: Optional[dict], payload: torch.Tensor) -> Optional[s
         return (f"it has {payload.numel()} bytes, its capture checksum covers {record['total_bytes']} "
                 f"in {len(record['crc32'])} chunks")
     for index, expected in enumerate(record["crc32"]):
-        actual = _crc(payload[index * size: (index + 1) * size])
+        actual = tensor_crc32(payload[index * size: (index + 1) * size])
         if actual != expected:
             return (f"CRC-32 mismatch in chunk {index} (bytes {index * size}..): captured "
                     f"{expected:#010x}, now {actual:#010x}; the bytes changed after capture")
@@ -79,8 +72,16 @@ def _total(tensor: torch.Tensor) -> torch.Tensor:
         total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 and not tensor.is_complex() \
             else tensor.sum()
     except (RuntimeError, TypeError):  # dtypes without a sum kernel (float8)
-        total = torch.where(torch.isfinite(tensor.float()).all(), 0.0, float("nan"))
+        total = torch.where(_all_finite(tensor), 0.0, float("nan"))
     return (total.abs() if total.is_complex() else total).double()
+
+
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every element finite. float8 has no isfinite kernel; float32 holds its NaN and Inf."""
+    try:
+        return torch.isfinite(tensor).all()
+    except (NotImplementedError, RuntimeError):
+        return torch.isfinite(tensor.float()).all()
 
 
 def nonfinite_indices(tensors: List[torch.Tensor]) -> List[int]:
@@ -95,7 +96,23 @@ def nonfinite_indices(tensors: List[torch.Tensor]) -> List[int]:
         flags = torch.isfinite(torch.stack([_total(tensors[i]) for i in indices])).cpu().tolist()
         suspects += [i for i, ok in zip(indices, flags) if not ok]
     # A non-finite sum of finite values (overflow) is not a non-finite tensor.
-    return sorted(i for i in suspects if not bool(torch.isfinite(tensors[i]).all()))
+    return sorted(i for i in suspects if not bool(_all_finite(tensors[i])))
+
+
+def nonfinite_values(named: Iterable[Tuple[str, Any]]) -> List[str]:
+    """Paths of the NaN and Inf among (name, value) pairs whatever holds them: tensors, NumPy
+    arrays and scalars, Python floats, nested in lists, tuples and dicts (e.g. an optimizer's
+    ``param_groups[0]['lr']``). A value GEMINI cannot capture is skipped: it is never restored."""
+    found: List[str] = []
+    for name, value in named:
+        try:
+            encoded = encode_state(value)
+        except StateEncodingError:
+            continue
+        found += [name + path.removeprefix("state") for path in encoded.nonfinite]
+        paths = leaf_paths(encoded.structure, nonfinite_indices(encoded.tensors))
+        found += [name + path.removeprefix("state") for path in paths]
+    return found
 
 
 def leaf_paths(structure: Any, indices: List[int]) -> List[str]:

@@ -30,9 +30,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lm_resiliency import wire
+from lm_resiliency import checksum, wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
-from lm_resiliency.codec import Layout, decode_state, encode_state
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure, decode_state, encode_state
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini import timeline
@@ -161,6 +161,8 @@ class InMemoryCheckpointManager:
         if self.rank == 0:
             logger.info("GEMINI: run %r keeps node-local state under %s (a relaunch must use the same folder)",
                         self.run_id, self.config.disk_folder)
+            if self.config.verify_integrity and checksum.BACKEND != "isal":
+                logger.info("GEMINI: integrity checksums: %s", checksum.backend_notice())
         allocate = allocator or heap_allocator(self.config.pin_memory)
         if allocator is None and self.config.host_memory == "shared":
             self._arena = self._open_arena()
@@ -249,7 +251,8 @@ class InMemoryCheckpointManager:
         pending = launch_copy(target.views(), encoded.tensors)
         self._capture_done.clear()
         check = self.config.check_finite if check_finite is None else bool(check_finite)
-        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure, check))
+        self._capture_worker.submit(lambda: self._complete_capture(target, pending, step, encoded.structure,
+                                                                   encoded.nonfinite if check else None))
 
     def _layout_for(self, tensors: list) -> Layout:
         """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
@@ -282,11 +285,14 @@ class InMemoryCheckpointManager:
         ready = self._own.ready_slots()
         return ready[0].step if ready else -1
 
-    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any, check_finite: bool) -> None:
+    def _complete_capture(self, target: HostSlot, pending, step: int, structure: Any,
+                          nonfinite_values: Optional[Tuple[str, ...]]) -> None:
+        """`nonfinite_values`: None when the finite check is off, else the paths of the
+        non-tensor values that hold NaN or Inf (found while encoding)."""
         try:
             pending.finish()
-            if check_finite:
-                self._check_finite(target, step, structure)
+            if nonfinite_values is not None:
+                self._check_finite(target, step, structure, nonfinite_values)
             extra: Dict[str, Any] = {timeline.TIMELINE_KEY: self._timeline.record()}
             if self.config.verify_integrity:
                 extra[CRC_KEY] = capture_checksums(target.payload())  # once, over the captured bytes
@@ -305,13 +311,13 @@ class InMemoryCheckpointManager:
         finally:
             self._capture_done.set()
 
-    def _check_finite(self, target: HostSlot, step: int, structure: Any) -> None:
-        """Refuse (never publish) a capture with NaN/Inf in a floating tensor; the previous
-        capture stays the newest recoverable one."""
+    def _check_finite(self, target: HostSlot, step: int, structure: Any, values: Tuple[str, ...]) -> None:
+        """Refuse (never publish) a capture with NaN/Inf in a floating tensor, a float or a NumPy
+        value; the previous capture stays the newest recoverable one."""
         bad = nonfinite_indices(target.views())
-        if not bad:
+        if not bad and not values:
             return
-        paths = leaf_paths(structure, bad)
+        paths = leaf_paths(structure, bad) + list(values)
         shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
         message = (f"GEMINI capture of step {step} refused on rank {self.rank}: non-finite values (NaN or "
                    f"Inf) in {shown}. The step is not recoverable; the newest recoverable capture is "
@@ -811,6 +817,11 @@ class InMemoryCheckpointManager:
             problem = f"rank {holder} sent timeline {lineage}, the plan is {plan.lineage}"
         elif self.config.verify_integrity:
             problem = checksum_problem(header["extra"], payload)
+        if problem is None:
+            try:  # refused on every rank alike below, instead of failing in decode_state on this one
+                check_structure(header["structure"], layout)
+            except StateSchemaError as exc:
+                problem = f"rank {holder} sent a structure that does not match its layout: {exc}"
         return layout, header["structure"], layout.views(payload), problem
 
     def _check_replica_header(self, header: Any, holder: int, step: int) -> Layout:
@@ -968,6 +979,8 @@ class InMemoryCheckpointManager:
 
     def _release(self, keep_shared: bool) -> None:
         self._release_sources()
+        if getattr(self, "store", None) is not None:
+            self.store.detach()
         for pair in (getattr(self, "_own", None), getattr(self, "_peer", None)):
             if pair is not None:
                 pair.drop_buffers()

@@ -66,19 +66,18 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned
-from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
-from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -201,13 +200,11 @@ def _slot_crc(doc: dict, payload: torch.Tensor) -> int:
     `verify`) and is not read a second time here."""
     canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
                            allow_nan=False, separators=(",", ":")).encode("utf-8")
-    crc = zlib.crc32(canonical)
+    crc = crc32(canonical)
     extra = doc.get("extra")
     if isinstance(extra, dict) and CRC_KEY in extra:
         return crc
-    for window in byte_windows(payload):
-        crc = zlib.crc32(window, crc)
-    return crc
+    return tensor_crc32(payload, crc)
 
 
 def _check_private(st: os.stat_result, what: str, path: str, uid: int, directory: bool) -> None:
@@ -554,9 +551,13 @@ class SharedSlotArena:
                 or not all(_is_int(v) and v >= 0 for v in seg.values())):
             raise bad("segment must be an object of non-negative integers size, dev, ino")
         try:
-            Layout.from_json(doc["layout"])
+            layout = Layout.from_json(doc["layout"])
         except StateSchemaError as exc:
             raise bad(f"bad layout: {exc}") from exc
+        try:
+            check_structure(doc["structure"], layout)
+        except StateSchemaError as exc:
+            raise bad(f"its structure does not match its layout of {len(layout.specs)} tensors: {exc}") from exc
         return doc
 
     def verify(self, name: str) -> Optional[str]:

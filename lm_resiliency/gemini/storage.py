@@ -49,7 +49,6 @@ import socket
 import stat
 import time
 import zipfile
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, BinaryIO, List, Optional, Set
@@ -57,10 +56,10 @@ from typing import Any, BinaryIO, List, Optional, Set
 import torch
 
 from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
 
-from lm_resiliency.codec import Layout, StateSchemaError
-from lm_resiliency.tensor_bytes import byte_windows
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +80,7 @@ _STATUS_KEYS = frozenset({"format_version", "run_id", "topology", "rank", "statu
 _OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
 _PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
+_ATTACHED_RE = re.compile(r"\.attached-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+")
 
 # torch.save of the shard record writes 7 entries (pickle, storage, version markers).
 _MAX_ZIP_ENTRIES = 32
@@ -192,6 +192,19 @@ def process_alive(pid: int, start_time: Optional[int] = None) -> bool:
         return True
 
 
+def attachment(name: str) -> Optional[str]:
+    """What the attachment record named `name` says of its process: "live" (it runs, in this boot
+    and PID namespace), "dead", or "foreign" (another boot or PID namespace: not checkable here);
+    None when `name` is no attachment record."""
+    match = _ATTACHED_RE.fullmatch(name)
+    if match is None:
+        return None
+    if match.group("scope") != temp_scope():
+        return "foreign"
+    alive = process_alive(int(match.group("pid")), int(match.group("start")) or None)
+    return "live" if alive else "dead"
+
+
 def _check_json(value: Any, where: str, depth: int = 1) -> None:
     """Plain JSON only, so that what is read back equals what was written; nested at most as deep
     as a reader accepts (`files.MAX_JSON_DEPTH`, counting the record that holds `value`)."""
@@ -224,10 +237,7 @@ def _shard_crc(metadata: dict, payload: torch.Tensor) -> int:
     """CRC-32 over the canonical metadata (everything but the CRC) and the payload bytes, so a
     flipped byte in the structure or identity is caught as surely as one in a tensor."""
     canonical = json.dumps(metadata, sort_keys=True, allow_nan=False, separators=(",", ":"))
-    crc = zlib.crc32(canonical.encode("utf-8"))
-    for window in byte_windows(payload):
-        crc = zlib.crc32(window, crc)
-    return crc
+    return tensor_crc32(payload, crc32(canonical.encode("utf-8")))
 
 
 def _zip_refusal(f: BinaryIO) -> Optional[str]:
@@ -311,6 +321,41 @@ class NodeLocalStore:
         # Flushes killed mid-write leave temp files; their step may never be written again (the
         # shm tier recovers it from memory), so they are reaped now, not at the next write.
         self._reap_temps()
+        self._namespace_dir = namespace_dir
+        self._attached: Optional[str] = self._attach()
+
+    # ------------------------------------------------------------------ attachment
+
+    def _attach(self) -> Optional[str]:
+        """Record, in the run's namespace directory, that this process uses it: an empty file
+        naming the process (scope, PID, start time), which `python -m lm_resiliency.cleanup` reads
+        however the folder is spelled and whatever holds the host slots. Records of dead processes
+        of this scope are removed first. A failure only weakens cleanup's liveness check (warning)."""
+        for name in os.listdir(self._namespace_dir):
+            if attachment(name) == "dead":
+                try:
+                    os.unlink(os.path.join(self._namespace_dir, name))
+                except FileNotFoundError:
+                    pass
+        pid = os.getpid()
+        name = f".attached-{temp_scope()}-{pid}-{process_start_time(pid) or 0}-{secrets.token_hex(4)}"
+        try:
+            os.close(os.open(os.path.join(self._namespace_dir, name),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        except OSError as exc:
+            logger.warning("GEMINI: cannot record that pid %d uses %s (%s); `python -m lm_resiliency.cleanup` "
+                           "then judges this run by the age of its files alone", pid, self._namespace_dir, exc)
+            return None
+        return name
+
+    def detach(self) -> None:
+        """Remove this process's attachment record (the manager's `close()`); idempotent."""
+        name, self._attached = self._attached, None
+        if name is not None:
+            try:
+                os.unlink(os.path.join(self._namespace_dir, name))
+            except OSError:
+                pass  # already gone, or the disk went away: a dead process's record is harmless
 
     # ------------------------------------------------------------------ properties
 
@@ -651,6 +696,10 @@ class NodeLocalStore:
             layout = Layout.from_json(meta["layout"])
         except StateSchemaError as exc:
             raise bad(f"bad layout: {exc}") from exc
+        try:
+            check_structure(meta["structure"], layout)
+        except StateSchemaError as exc:
+            raise bad(f"its structure does not match its layout of {len(layout.specs)} tensors: {exc}") from exc
 
         payload = obj["payload"]
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -705,5 +754,5 @@ class NodeLocalStore:
 
 __all__ = [
     "FORMAT_VERSION", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
-    "run_namespace", "temp_scope",
+    "attachment", "run_namespace", "temp_scope",
 ]

@@ -19,7 +19,7 @@ import importlib
 import logging
 import os
 import secrets
-import zlib
+import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency._values import is_int
+from lm_resiliency.checksum import tensor_crc32
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey
 from lm_resiliency.manager_api.transfer_metadata import (
     TransferKey,
@@ -41,7 +42,6 @@ from lm_resiliency.manager_api.transfer_metadata import (
     chunk_bounds,
     metadata_crc,
 )
-from lm_resiliency.tensor_bytes import byte_windows
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +88,14 @@ def _shard_key(key: TransferKey, store: NodeLocalStore) -> ShardKey:
     return ShardKey("own" if store.rank == key.source_rank else "peer", key.source_rank, key.step)
 
 
-def _crc(view: torch.Tensor) -> int:
-    crc = 0
-    for window in byte_windows(view):
-        crc = zlib.crc32(window, crc)
-    return crc
-
-
 def build_offer(key: TransferKey, shard: Shard, sender: int, receiver: int, topology: str,
                 chunk_size: int) -> TransferRecord:
     """The offer a sender publishes for `shard`: its metadata and one CRC-32 per chunk."""
     payload, layout = shard.payload, shard.layout.to_json()
     bounds = chunk_bounds(payload.numel(), chunk_size)
     return TransferRecord(key, sender, receiver, secrets.token_hex(8), topology, layout, shard.structure,
-                          shard.extra, payload.numel(), chunk_size, tuple(_crc(payload[o:o + n]) for o, n in bounds),
+                          shard.extra, payload.numel(), chunk_size,
+                          tuple(tensor_crc32(payload[o:o + n]) for o, n in bounds),
                           metadata_crc(layout, shard.structure, shard.extra))
 
 
@@ -185,20 +179,23 @@ class TorchDistTransfer(CheckpointTransfer):
         self._check_call(key, destination, from_rank, "receive")
         record = self.metadata.fetch(key, from_rank, self.rank)
         try:
-            layout = check_offer(record, key, from_rank, self.rank, destination.topology, self.max_bytes)
+            bound, limit = ((self.max_bytes, f"max_bytes={self.max_bytes}") if self.max_bytes is not None
+                            else host_capacity(destination.directory))
+            layout = check_offer(record, key, from_rank, self.rank, destination.topology, bound, limit)
         except TransferRefused as exc:
             self.metadata.answer(key, from_rank, self.rank, record.nonce, "accept", str(exc))
             raise
         self.metadata.answer(key, from_rank, self.rank, record.nonce, "accept", None)
-        payload = torch.empty(record.total_bytes, dtype=torch.uint8)
-        bounds = chunk_bounds(record.total_bytes, record.chunk_size)
         bad = []
         try:
+            # Allocated only now, and answered if it fails: the sender never waits out its timeout.
+            payload = torch.empty(record.total_bytes, dtype=torch.uint8)
+            bounds = chunk_bounds(record.total_bytes, record.chunk_size)  # as many as its checked checksums
             pair = self._connect(record)
             for tag, (offset, length) in enumerate(bounds):
                 view = payload[offset:offset + length]
                 pair.recv(view, tag)
-                if _crc(view) != record.chunk_crc32[tag]:
+                if tensor_crc32(view) != record.chunk_crc32[tag]:
                     bad.append(tag)  # keep receiving: the sender's chunks are all sent regardless
             if bad:
                 raise TransferRefused(f"rank {self.rank} refuses the transfer of {key} from rank {from_rank}: "
@@ -252,6 +249,18 @@ class TorchDistTransfer(CheckpointTransfer):
             raise TimeoutError(f"checkpoint transfer of {record.key}: could not connect to rank {peer} within "
                                f"{self.timeout_s}s (it failed or gave up on the transfer): {exc}") from exc
         return _Pair(group, 1 if self.rank == record.sender else 0, self.timeout_s)
+
+
+def host_capacity(directory: str) -> Tuple[int, str]:
+    """The most payload bytes a receiver on this host can take into `directory`, and why: the
+    payload is assembled in memory (physical memory) and then written there (free disk space)."""
+    free = shutil.disk_usage(directory).free
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): the disk alone bounds it
+        return free, f"this host can take ({free} bytes free under {directory}; pass max_bytes= to set another bound)"
+    return min(memory, free), (f"this host can take ({memory} bytes of physical memory, {free} bytes free "
+                               f"under {directory}; pass max_bytes= to set another bound)")
 
 
 def _check_pair_group(group: dist.ProcessGroup, rank: int, peer: Optional[int] = None) -> None:

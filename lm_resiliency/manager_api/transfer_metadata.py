@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import re
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Tuple
@@ -21,7 +20,8 @@ from typing import Any, Optional, Tuple
 import torch.distributed as dist
 
 from lm_resiliency._values import is_int
-from lm_resiliency.codec import Layout, StateSchemaError
+from lm_resiliency.checksum import crc32
+from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 from lm_resiliency.files import loads_strict_json
 from lm_resiliency.wire import MAX_JSON_BYTES
 
@@ -68,8 +68,14 @@ class TransferKey:
         return f"step {self.step} of rank {self.source_rank} (run {self.run_id!r})"
 
 
+def chunk_count(total_bytes: int, chunk_size: int) -> int:
+    """How many chunks `chunk_bounds` makes, in constant time: what a claimed size is checked by."""
+    return max(1, -(-total_bytes // chunk_size))
+
+
 def chunk_bounds(total_bytes: int, chunk_size: int) -> Tuple[Tuple[int, int], ...]:
-    """(offset, length) of each chunk; an empty payload is one empty chunk."""
+    """(offset, length) of each chunk; an empty payload is one empty chunk. Linear in the chunk
+    count: build it only for an offer whose checksum list has that many entries."""
     if total_bytes == 0:
         return ((0, 0),)
     return tuple((offset, min(chunk_size, total_bytes - offset)) for offset in range(0, total_bytes, chunk_size))
@@ -77,7 +83,7 @@ def chunk_bounds(total_bytes: int, chunk_size: int) -> Tuple[Tuple[int, int], ..
 
 def metadata_crc(layout: dict, structure: Any, extra: dict) -> int:
     canonical = json.dumps([layout, structure, extra], sort_keys=True, allow_nan=False, separators=(",", ":"))
-    return zlib.crc32(canonical.encode("utf-8"))
+    return crc32(canonical.encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -136,9 +142,11 @@ class TransferRecord:
 
 
 def check_offer(record: TransferRecord, key: TransferKey, sender: int, receiver: int, topology: str,
-                max_bytes: Optional[int]) -> Layout:
+                max_bytes: Optional[int], limit: Optional[str] = None) -> Layout:
     """The offer's layout when `record` is the transfer the receiver expects; TransferRefused,
-    naming the field, otherwise. Runs before anything is allocated or written."""
+    naming the field, otherwise. Runs before anything is allocated or written, in time and memory
+    bounded by the record's own size whatever byte count it claims. `limit` says where
+    `max_bytes` comes from (default: "max_bytes=<n>")."""
     def refuse(why: str) -> TransferRefused:
         return TransferRefused(f"rank {receiver} refuses the transfer of {key} from rank {sender}: {why}; "
                                "nothing is written")
@@ -157,15 +165,19 @@ def check_offer(record: TransferRecord, key: TransferKey, sender: int, receiver:
     if record.total_bytes != layout.total_bytes:
         raise refuse(f"it announces {record.total_bytes} bytes, its layout holds {layout.total_bytes}")
     if max_bytes is not None and record.total_bytes > max_bytes:
-        raise refuse(f"it announces {record.total_bytes} bytes, more than max_bytes={max_bytes}")
+        raise refuse(f"it announces {record.total_bytes} bytes, more than {limit or f'max_bytes={max_bytes}'}")
     if record.chunk_size <= 0:
         raise refuse(f"chunk size {record.chunk_size} is not positive")
-    expected = len(chunk_bounds(record.total_bytes, record.chunk_size))
+    expected = chunk_count(record.total_bytes, record.chunk_size)
     if len(record.chunk_crc32) != expected:
         raise refuse(f"it carries {len(record.chunk_crc32)} chunk checksums, {record.total_bytes} bytes in "
                      f"{record.chunk_size}-byte chunks make {expected}")
     if metadata_crc(record.layout, record.structure, record.extra) != record.metadata_crc32:
         raise refuse("its metadata checksum does not match its layout, structure and extra")
+    try:  # a shard published from it would be refused by every reader
+        check_structure(record.structure, layout)
+    except StateSchemaError as exc:
+        raise refuse(f"its structure does not match its layout ({exc})") from exc
     return layout
 
 

@@ -23,7 +23,6 @@ import itertools
 import logging
 import socket
 import statistics
-from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
@@ -154,7 +153,7 @@ class ScoutHarness:
                             100 * cover["bytes"], missing)
         self.compute = ComputeStragglerDetector(config, group_ranks, hosts)
         # Rank-level stragglers: each rank's own work per step, compared across the same peers.
-        self.rank_work = ComputeStragglerDetector(config, group_ranks, hosts)
+        self.rank_work = ComputeStragglerDetector(config, group_ranks, hosts, measure="rank_step_work")
         self._replay_group = replay_group
         self._exchange_timeout_s = bound
         self.host = hosts.get(self.rank, "")
@@ -163,7 +162,7 @@ class ScoutHarness:
         self.workload_detector = self._workload_detector(model, optimizer, topology, bound)
         self._all_to_all: Optional[AllToAllReplayer] = None
         self._all_to_all_recorder: Optional[AllToAllRecorder] = None
-        self.all_to_all_links = CommunicationStragglerLocalizer(config, hosts)
+        self.all_to_all_links = CommunicationStragglerLocalizer(config, hosts, measure="all_to_all_replay")
         if distributed and self.world_size > 1 and config.all_to_all_policy is not None:
             exchange = wire.new_group(None, bound, "SCOUT's AllToAll replay exchange")
             self._groups.append(exchange)
@@ -291,8 +290,7 @@ class ScoutHarness:
             with self._own_section("scout_all_to_all", step):
                 routing, latencies = self._all_to_all.run(step, step // self.config.check_interval, calls)
             result = ReplayResult(step, result.checks + tuple(routing))
-            findings += [replace(f, evidence=dict(f.evidence, measure="all_to_all_replay"))
-                         for f in self.all_to_all_links.observe(latencies)]
+            findings += self.all_to_all_links.observe(latencies)
         checks = list(result.checks)
         timings = next((c.timings_s for c in result.checks if c.check in ("hidden", "output", "embedding", "expert")
                         and c.timings_s), None)
@@ -323,8 +321,7 @@ class ScoutHarness:
         ranks = dist.get_process_group_ranks(self._replay_group)
         docs = dict(zip(ranks, values))
         timings = {r: float(v["work"]) for r, v in docs.items() if v.get("work") is not None}
-        findings = [] if len(timings) < 3 else [replace(f, evidence=dict(f.evidence, measure="rank_step_work"))
-                                                for f in self.rank_work.observe(timings)]
+        findings = [] if len(timings) < 3 else self.rank_work.observe(timings)
         origins = non_finite_origins({r: v.get("non_finite") for r, v in docs.items()})
         if not origins or self._origin_reported:
             return findings, []

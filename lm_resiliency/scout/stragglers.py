@@ -38,6 +38,15 @@ never confirmed:
 
 Ambiguous rounds return one unconfirmed finding listing the candidate ranks with
 `evidence["localized"] = False` and `evidence["reason"]`; they also break every streak.
+
+What a finding says about a rank. A confirmed finding is SCOUT's verdict: the same measure
+flagged that rank in `straggler_confirmation_rounds` consecutive rounds. An unconfirmed finding
+is one measure's evidence so far, not a verdict: it may name a healthy rank (one round of noise
+in one measure, e.g. a replay timed while its host was busy), and it always says so:
+`confirmed=False`, `evidence["rounds"]` below `evidence["required_rounds"]` (0 for an ambiguous
+round) and `evidence["measure"]`, the detector that flagged it. Nothing acts on it: it makes no
+result unhealthy, no fault report, no callback and no trust verdict, and it confirms nothing on
+its own; a rank flagged by one measure builds no streak in another.
 More than one simultaneous communication straggler is not localized (the faster-half
 reference and the intersection both assume one); compare groups of similar size and payload.
 """
@@ -77,6 +86,12 @@ def _check_seconds(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{what}: timings must be finite numbers of seconds >= 0, got {value!r}")
     return float(value)
+
+
+def _check_measure(measure: Any) -> str:
+    if not isinstance(measure, str) or not measure:
+        raise ValueError(f"measure must be a non-empty str naming what is timed, got {measure!r}")
+    return measure
 
 
 def _check_hosts(hosts: Optional[Mapping[int, str]]) -> Dict[int, str]:
@@ -141,14 +156,17 @@ class ComputeStragglerDetector:
 
     Tuning (keyword-only): `outlier_k` (robust z threshold, default 3), `scale_floor_fraction`
     (floor on the robust scale as a fraction of the median, default 0.05) and `baseline_alpha`
-    (EWMA weight of the per-rank healthy baseline, default 0.2).
+    (EWMA weight of the per-rank healthy baseline, default 0.2). `measure` names what the timings
+    are (`evidence["measure"]` of every finding; default "replay_compute", the replay timings).
     """
 
     def __init__(self, config: ReplayHarnessConfig, group_ranks: Iterable[int],
                  hosts: Optional[Mapping[int, str]] = None, *, outlier_k: float = 3.0,
-                 scale_floor_fraction: float = 0.05, baseline_alpha: float = 0.2) -> None:
+                 scale_floor_fraction: float = 0.05, baseline_alpha: float = 0.2,
+                 measure: str = "replay_compute") -> None:
         _check_config(config)
         _check_tuning(outlier_k, scale_floor_fraction, baseline_alpha)
+        self.measure = _check_measure(measure)
         ranks = tuple(_check_rank(r, "group_ranks") for r in group_ranks)
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"group_ranks must be a non-empty list of distinct ranks, got {list(ranks)}")
@@ -234,6 +252,7 @@ class ComputeStragglerDetector:
             "onset": "became_slow" if became_slow else "always_slow",
             "rounds": streak,
             "required_rounds": self.config.straggler_confirmation_rounds,
+            "measure": self.measure,
         }
         if confirmed:
             logger.info("compute straggler confirmed: rank %d (%s) %.4fs vs median %.4fs over %d rounds",
@@ -268,13 +287,15 @@ class CommunicationStragglerLocalizer:
     endpoint rank (confirmed after `straggler_confirmation_rounds` consecutive rounds naming
     the same rank), or an unconfirmed ambiguous finding (see the module doc). Fewer than 2
     groups in a round cannot be localized: nothing is returned and streaks break.
-    `baseline_alpha` weights the per-group EWMA of healthy latencies reported in the evidence.
+    `baseline_alpha` weights the per-group EWMA of healthy latencies reported in the evidence;
+    `measure` names the latencies (`evidence["measure"]`; default "collective_probe").
     """
 
     def __init__(self, config: ReplayHarnessConfig, hosts: Optional[Mapping[int, str]] = None, *,
-                 baseline_alpha: float = 0.2) -> None:
+                 baseline_alpha: float = 0.2, measure: str = "collective_probe") -> None:
         _check_config(config)
         _check_tuning(0.0, 0.0, baseline_alpha)
+        self.measure = _check_measure(measure)
         self.config = config
         self.hosts = _check_hosts(hosts)
         self._baselines = _Baselines(float(baseline_alpha))
@@ -343,6 +364,7 @@ class CommunicationStragglerLocalizer:
             "fast_groups": doc(fast),
             "intersection": sorted(intersection),
             "required_rounds": self.config.straggler_confirmation_rounds,
+            "measure": self.measure,
         }
         slow_median = statistics.median(latencies[g] for g in slow)
         slowdown = slow_median / max(reference, _TINY_S)

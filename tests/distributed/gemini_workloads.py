@@ -19,7 +19,8 @@ def full_state(model, optimizer, step):
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-        "extra": {"step": step, "name": "run", "lr": 0.01, "nan": float("nan"), "ids": (1, 2, 3),
+        # No NaN here: a non-finite value anywhere in a direct save() is refused (check_finite).
+        "extra": {"step": step, "name": "run", "lr": 0.01, "eps": 1e-300, "ids": (1, 2, 3),
                   "np_scalar": np.float32(1.5), "dtype": torch.bfloat16},
     }
 

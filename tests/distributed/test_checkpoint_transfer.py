@@ -114,6 +114,10 @@ class _FlipChunk(TorchDistTransfer):
             yield tag, chunk
 
 
+# What the codec makes of {"values": <tensor 0>, "ids": <tensor 1>}: a structure that matches the layout.
+STRUCTURE = {"t": "dict", "items": [["values", {"t": "tensor", "i": 0}], ["ids", {"t": "tensor", "i": 1}]]}
+
+
 def write_replica(store, owner, step, floats):
     """Publish in `store` a real replica shard of `owner` at `step`: `floats` float32s 0, 1, ...
     and five int64s."""
@@ -122,7 +126,7 @@ def write_replica(store, owner, step, floats):
     payload = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     for spec, tensor in zip(layout.specs, tensors):
         payload[spec.offset:spec.offset + spec.nbytes] = tensor.view(torch.uint8)
-    store.write_shard(ShardKey("peer", owner, step), layout, {"leaves": 2}, payload, extra={"note": "x"})
+    store.write_shard(ShardKey("peer", owner, step), layout, STRUCTURE, payload, extra={"note": "x"})
 
 
 def _shard_store(folder, rank):
@@ -157,7 +161,7 @@ def test_corrupted_chunk_is_refused_and_nothing_is_published(tmp_path):
     reason, left, values, structure = receiver
     assert left == []
     assert "nothing is written" in reason and reason in sender
-    assert values == [float(i) for i in range(700)] and structure == {"leaves": 2}
+    assert values == [float(i) for i in range(700)] and structure == STRUCTURE
 
 
 class _DieMidway(TorchDistTransfer):

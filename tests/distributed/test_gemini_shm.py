@@ -67,7 +67,8 @@ def _recover_and_continue(rank, world, tmp, config_kw, drop_own_of=None):
 
 
 def _no_checkpoint_files(tmp):
-    return [f for _, _, files in os.walk(os.path.join(tmp, "disk")) for f in files]
+    """Files under the disk folder other than the attachment records (cleanup's liveness check)."""
+    return [f for _, _, files in os.walk(os.path.join(tmp, "disk")) for f in files if not f.startswith(".attached-")]
 
 
 def _shm_entries(tmp):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.test_scout_ddp_trace import Tower, _batch
+from tests.distributed.test_scout_ddp_trace import Tower, _batch, assert_straggler_contract
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,7 +101,8 @@ def _run(rank, world, kind, scenario, fault_rank, steps=8):
         _step(kind, model, wrapped, optimizer, _batch(step, rank))
     session.close()
     seen = [(r.step, [(c.check, c.module_path, list(c.faulty), c.detail) for c in r.checks if c.verdict != "clean"],
-             [(f.kind, list(f.ranks), f.confirmed, f.evidence.get("measure")) for f in r.stragglers])
+             [(f.kind, list(f.ranks), f.confirmed, f.evidence.get("measure"), f.evidence.get("rounds"),
+               f.evidence.get("required_rounds")) for f in r.stragglers])
             for r in results]
     return seen, bool(calls) if kind == "ddp_hook" else None
 
@@ -115,8 +116,7 @@ def test_whole_rank_straggler_is_named_within_two_rounds(kind, where):
         # Confirmed at the second check (step 8); a round disturbed by machine load (the first
         # one times step 3 only) moves that to the third.
         assert confirmed and confirmed[0][0] in (8, 12), (rank, seen)
-        assert all(f[1] == [2] for _, _, stragglers in seen for f in stragglers), (rank, seen)
-        assert any(f[3] == "rank_step_work" for _, f in confirmed), (rank, seen)
+        assert_straggler_contract(rank, seen, 2)   # an unconfirmed suspicion may name a healthy rank
         assert all(checks == [] for _, checks, _ in seen), (rank, seen)
 
 

@@ -68,10 +68,11 @@ def crashed_runs(tmp_path):
     live.save({"w": torch.ones(10)}, 1)
     live.maybe_wait()
     live.flush_now()
+    live._drain()  # the background flush of step 1 too: nothing changes the trees after this
     dirs["live-run"] = [os.path.dirname(live.host_memory().directory), os.path.dirname(live.store.directory)]
     for path in dirs["live-run"] + dirs["old-run"]:
         _backdate(path, 2 * 24 * 3600)  # last written two days ago
-    yield dirs
+    yield dict(dirs, **{"live-manager": live})
     live.close()
 
 
@@ -106,7 +107,49 @@ def test_removes_dead_runs_older_than_the_bound_never_live_ones(tmp_path, crashe
     out = capsys.readouterr().out
     assert "removed 2 director(ies)" in out and not os.path.exists(young_shm) and not os.path.exists(young_disk)
     assert os.listdir(live_shm) and os.listdir(live_disk), out  # its owner (this process) is alive
-    assert f"kept: {live_disk} (disk; its shared-memory slots" in out
+    assert f"kept: {live_disk} (disk; in use by live process(es) [{os.getpid()}]" in out
+
+
+def _cleanup(*args):
+    """`python -m lm_resiliency.cleanup ARGS --older-than 0`, the way a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "lm_resiliency.cleanup", *args, "--older-than", "0"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("case", ["folder-through-a-symlink-alias", "shared-memory-dir-elsewhere",
+                                  "shared-memory-dir-missing", "heap-run"])
+def test_cleanup_never_removes_a_live_runs_checkpoints(tmp_path, crashed_runs, case):
+    """Issue 22, item 4: however the folder and the host-slot directory are named, and whatever
+    holds the host slots, a live run keeps its node-local checkpoints and flushes again; the dead
+    runs around it are still removed."""
+    live = InMemoryCheckpointManager(InMemoryCkptConfig(
+        run_id="live-heap-run", interval=1, disk_flush_interval=1, disk_folder=str(tmp_path / "disk"),
+        host_memory="heap")) if case == "heap-run" else None
+    if live is not None:
+        live.save({"w": torch.ones(10)}, 1)
+        live.maybe_wait()
+        live.flush_now()
+        _backdate(os.path.dirname(live.store.directory), 2 * 24 * 3600)
+    live_disk = os.path.dirname(live.store.directory) if live else crashed_runs["live-run"][1]
+    os.symlink(tmp_path, tmp_path / "alias")
+    disk = str(tmp_path / ("alias" if case == "folder-through-a-symlink-alias" else "") / "disk")
+    shm = {"shared-memory-dir-elsewhere": tmp_path / "other-shm", "shared-memory-dir-missing": tmp_path / "no-such"}
+    (tmp_path / "other-shm").mkdir(mode=0o700)
+    try:
+        out = _cleanup("--shared-memory-dir", str(shm.get(case, tmp_path / "shm")), "--disk-folder", disk)
+        assert os.path.isdir(live_disk) and any(f.endswith(".gemini") for _, _, fs in os.walk(live_disk) for f in fs)
+        assert "in use by live process(es)" in out, out
+        assert not os.path.exists(crashed_runs["old-run"][1]) and not os.path.exists(crashed_runs["young-run"][1]), out
+        manager = live or crashed_runs["live-manager"]
+        manager.save({"w": torch.full((10,), 2.0)}, 2)
+        manager.maybe_wait()
+        assert manager.flush_now() == 2  # the live run's next flush works
+        assert manager.find_latest() == 2
+    finally:
+        if live is not None:
+            live.close()
 
 
 def test_age_parsing():

@@ -15,7 +15,9 @@ from lm_resiliency.scout.config import ReplayHarnessConfig
 
 MIB = 1024 * 1024
 
-# The GEMINI guide's "Configuration" section, plus the documented timeout_s bound.
+# The GEMINI guide's "Configuration" section, plus the documented timeout_s bound. The guide's
+# example passes verify_integrity=False explicitly; its default is True (issue 22: checksums on by
+# default, docs/gemini.md "Configuration").
 GUIDE_DEFAULTS = {
     "enable": True,
     "interval": 10,
@@ -24,7 +26,7 @@ GUIDE_DEFAULTS = {
     "disk_flush_interval": 100,
     "disk_folder": "./checkpoints",
     "run_id": None,
-    "verify_integrity": False,
+    "verify_integrity": True,
     "skip_replication_if_hsdp": True,
     "pin_memory": True,
     "timeout_s": 300.0,

@@ -99,16 +99,21 @@ def test_nonfinite_state_is_never_certified(tmp_path):
         ledger.boundary(6, "clean", True, finite=None)
 
 
-def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffer(tmp_path):
+def _session(tmp_path, model, optimizer):
+    """enable_resiliency with GEMINI alone, capturing every 2 steps into heap slots."""
     from lm_resiliency import enable_resiliency
 
+    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan", host_memory="heap",
+                                disk_flush_interval=0, timeout_s=10)
+    return enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+
+
+def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffer(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended: never refused
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = InMemoryCkptConfig(disk_folder=str(tmp_path), run_id="session-nan", host_memory="heap",
-                                disk_flush_interval=0, timeout_s=10)
-    session = enable_resiliency(model, optimizer, interval=2, enable_detection=False, checkpoint=config)
+    session = _session(tmp_path, model, optimizer)
     error = None
     try:
         for step in range(1, 5):
@@ -124,5 +129,86 @@ def test_session_refuses_nonfinite_parameters_but_not_an_intended_infinite_buffe
             optimizer.zero_grad()
         assert error is not None and error[0] == 4 and "weight" in error[1] and "ranks [0]" in error[1]
         assert session.manager.latest_step == 2  # step 2 (with the -inf buffer) is the newest capture
+    finally:
+        session.close()
+
+
+def test_float8_nan_is_found_not_an_unimplemented_kernel():
+    e4m3 = torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn)
+    e5m2 = torch.tensor([1.0, float("inf")]).to(torch.float8_e5m2)
+    assert nonfinite_indices([e4m3, torch.zeros(2, dtype=torch.float8_e5m2), e5m2]) == [0, 2]
+
+
+def test_encoding_names_nonfinite_values_outside_tensors():
+    np = pytest.importorskip("numpy")
+    encoded = encode_state({"a": float("nan"), "b": [1.0, float("-inf")], "c": np.array([0.5, np.nan]),
+                            "d": np.float32("inf"), "e": np.array([np.inf], dtype=np.float16), "fine": 1.5,
+                            "ints": np.arange(3), "mask": torch.tensor([float("-inf")]), float("nan"): 1})
+    assert set(encoded.nonfinite) == {"state['a']", "state['b'][1]", "state['c']", "state['d']", "state['e']",
+                                      "state[nan]"}
+    assert encode_state({"x": 1.0, "y": np.zeros(2)}).nonfinite == ()
+
+
+@pytest.mark.parametrize("value, path", [
+    (float("nan"), "state['opt']['param_groups'][0]['lr']"),
+    (float("inf"), "state['opt']['param_groups'][0]['lr']"),
+    ("numpy-nan-array", "state['opt']['param_groups'][0]['lr']"),
+    ("numpy-inf-scalar", "state['opt']['param_groups'][0]['lr']"),
+    ("float8-nan", "state['opt']['param_groups'][0]['lr']"),
+], ids=["float-nan", "float-inf", "numpy-array", "numpy-scalar", "float8"])
+def test_nonfinite_values_outside_float32_tensors_are_refused_like_tensors(tmp_path, value, path):
+    np = pytest.importorskip("numpy")
+    value = {"numpy-nan-array": np.array([0.1, np.nan]), "numpy-inf-scalar": np.float64("inf"),
+             "float8-nan": torch.tensor([float("nan")]).to(torch.float8_e4m3fn)}.get(value, value)
+    manager = _manager(tmp_path)
+    good = {"w": torch.ones(4), "opt": {"param_groups": [{"lr": 0.1}]}}
+    manager.save(good, 10)
+    manager.maybe_wait()
+    manager.save({"w": torch.ones(4), "opt": {"param_groups": [{"lr": value}]}}, 20)
+    with pytest.raises(NonFiniteState, match=r"step 20 refused.*" + path.replace("[", r"\[").replace("]", r"\]")):
+        manager.maybe_wait()
+    assert manager.latest_step == 10 and manager.find_latest() == 10
+    assert manager.load()["opt"]["param_groups"][0]["lr"] == 0.1
+    manager.close()
+
+
+def test_check_finite_false_captures_intended_nonfinite_values(tmp_path):
+    manager = _manager(tmp_path, check_finite=False)
+    manager.save({"best_score": float("inf")}, 1)
+    manager.maybe_wait()
+    assert manager.find_latest() == 1 and manager.load() == {"best_score": float("inf")}
+    manager.close()
+
+
+@pytest.mark.parametrize("where", ["lr", "betas", "state-value"])
+def test_session_refuses_a_nan_learning_rate_and_other_optimizer_values(tmp_path, where):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.frozen_now = torch.nn.Parameter(torch.zeros(2))  # gets no gradient: a NaN lr leaves it alone
+    optimizer = torch.optim.Adam([{"params": [model.weight, model.bias]}, {"params": [model.frozen_now]}], lr=0.1)
+    session = _session(tmp_path, model, optimizer)
+    error = None
+    try:
+        for step in range(1, 5):
+            model(torch.randn(2, 4)).sum().backward()
+            if step == 4:  # the parameters stay finite: only the optimizer's own values are not
+                if where == "lr":
+                    optimizer.param_groups[1]["lr"] = float("nan")
+                elif where == "betas":
+                    optimizer.param_groups[1]["betas"] = (0.9, float("inf"))
+                else:
+                    optimizer.state[model.weight]["custom"] = float("nan")
+            try:
+                optimizer.step()
+            except NonFiniteState as exc:
+                error = (step, str(exc))
+                break
+            optimizer.zero_grad()
+        assert error is not None and error[0] == 4, error
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        expected = {"lr": "optimizer.param_groups[1]['lr']", "betas": "optimizer.param_groups[1]['betas'][1]",
+                    "state-value": "optimizer.state[0]['custom']"}[where]
+        assert expected in error[1] and "ranks [0]" in error[1]
+        assert session.manager.latest_step == 2  # the NaN learning rate is never captured
     finally:
         session.close()

@@ -286,3 +286,29 @@ def test_probe_cadence_defaults_to_every_fifth_check_and_is_validated():
     for bad in (0, -2, 1.5, True, "10"):
         with pytest.raises(ConfigError, match="ReplayHarnessConfig.communication_probe_interval"):
             ReplayHarnessConfig(communication_probe_interval=bad)
+
+
+def test_an_unconfirmed_suspicion_of_a_healthy_rank_says_what_it_is_and_nothing_acts_on_it():
+    """The contract (docs/scout.md, "What a straggler finding says"): one noisy round may name a
+    healthy rank, unconfirmed, with its measure and its rounds; it makes nothing unhealthy and
+    confirms nothing unless the same measure flags the rank again in the next round."""
+    from lm_resiliency.trust.verdicts import verdict_of
+
+    healthy = {0: 0.100, 1: 0.102, 2: 0.099, 3: 0.101}
+    replay = ComputeStragglerDetector(config(), range(4), HOSTS)
+    work = ComputeStragglerDetector(config(), range(4), HOSTS, measure="rank_step_work")
+    noisy = replay.observe({**healthy, 0: 0.400})   # rank 0's replay was timed while its host was busy
+    assert [(f.ranks, f.confirmed, f.evidence["rounds"], f.evidence["required_rounds"], f.evidence["measure"])
+            for f in noisy] == [((0,), False, 1, 2, "replay_compute")]
+    result = ReplayResult(8, (), tuple(noisy))
+    assert result.healthy and replay_fault_reports(result) == [] and verdict_of(result) == "clean"
+    assert work.observe({**healthy, 0: 0.400})[0].confirmed is False   # another measure: its own streak
+    assert replay.observe(healthy) == [] and replay.streak(0) == 0      # healthy again: forgotten
+    again = replay.observe({**healthy, 0: 0.400})
+    assert again[0].confirmed is False and again[0].evidence["rounds"] == 1
+    probe = CommunicationStragglerLocalizer(config(), HOSTS)
+    ambiguous = probe.observe({(0, 1): 0.5, (2, 3): 0.01, (0, 2): 0.01, (1, 3): 0.01})
+    assert [(f.confirmed, f.evidence["rounds"], f.evidence["measure"]) for f in ambiguous] == \
+        [(False, 0, "collective_probe")]
+    with pytest.raises(ValueError, match="measure"):
+        ComputeStragglerDetector(config(), range(4), measure="")

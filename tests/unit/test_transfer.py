@@ -22,7 +22,7 @@ from lm_resiliency.manager_api import (
 )
 from lm_resiliency.manager_api.transfer import TorchDistTransfer, build_offer
 from lm_resiliency.manager_api.transfer_metadata import TransferRecord, metadata_crc
-from tests.distributed.test_checkpoint_transfer import write_replica
+from tests.distributed.test_checkpoint_transfer import STRUCTURE, write_replica
 
 RUN = "unit-run"
 KEY = TransferKey(RUN, 7, 1)
@@ -183,5 +183,60 @@ def test_offer_records_round_trip_and_checksum_what_they_carry(tmp_path):
     doc = _offer(sender)
     record = TransferRecord.from_json(json.loads(json.dumps(doc)))
     assert record.to_json() == doc
-    assert record.metadata_crc32 == metadata_crc(doc["layout"], {"leaves": 2}, {"note": "x"})
+    assert record.metadata_crc32 == metadata_crc(doc["layout"], STRUCTURE, {"note": "x"})
     assert len(record.chunk_crc32) == 3 and record.total_bytes == 1280
+
+
+def _claiming(total_bytes, chunk_size, crcs):
+    """A hand-written offer of rank 1's step 7 from rank 2 claiming `total_bytes` in an empty
+    layout: a few hundred bytes of JSON whatever it claims."""
+    layout = {"total_bytes": total_bytes, "tensors": []}
+    return {"version": 1, "run_id": RUN, "step": 7, "source_rank": 1, "sender": 2, "receiver": 1,
+            "nonce": "0badc0de", "topology": "topology", "layout": layout, "structure": None, "extra": {},
+            "total_bytes": total_bytes, "chunk_size": chunk_size, "chunk_crc32": crcs,
+            "metadata_crc32": metadata_crc(layout, None, {})}
+
+
+def _refused_with_bounded_memory(tmp_path, doc, match, **transfer_kw):
+    """Rank 1 refuses `doc` and answers rank 2, allocating (Python heap, traced) at most 4 MiB."""
+    import tracemalloc
+
+    _, receiver = _stores(tmp_path)
+    store = dist.HashStore()
+    metadata = TransferMetadataStore(store, timeout_s=5)
+    store.set(metadata.prefix(KEY, 2, 1) + "/offer", json.dumps(doc).encode())
+    transfer = make_transfer("torch_dist", store=store, rank=1, timeout_s=5, **transfer_kw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TransferRefused, match=match) as refused:
+            transfer.receive(KEY, receiver, from_rank=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024 * 1024, f"refusing the offer allocated {peak} bytes"
+    assert os.listdir(receiver.directory) == []
+    answer = json.loads(store.get(f"{metadata.prefix(KEY, 2, 1)}/{doc['nonce']}/accept"))
+    assert answer == {"ok": False, "reason": str(refused.value)}  # the sender hears why at once
+
+
+@pytest.mark.parametrize("claimed", [2 ** 22, 2 ** 40])
+def test_a_tiny_offer_claiming_one_byte_chunks_is_refused_by_its_checksum_count(tmp_path, claimed):
+    doc = _claiming(claimed, 1, [])
+    assert len(json.dumps(doc)) < 400  # the audit's offer was 327 bytes
+    _refused_with_bounded_memory(tmp_path, doc, rf"carries 0 chunk checksums, {claimed} bytes in 1-byte chunks "
+                                                rf"make {claimed}", max_bytes=2 ** 41)
+
+
+def test_an_offer_larger_than_this_host_can_take_is_refused_by_default(tmp_path):
+    doc = _claiming(2 ** 40, 2 ** 24, [0] * 2 ** 16)  # a consistent offer of 1 TiB
+    _refused_with_bounded_memory(tmp_path, doc, r"announces 1099511627776 bytes, more than this host can take "
+                                                r"\(\d+ bytes of physical memory, \d+ bytes free under .*node-1")
+
+
+def test_an_offer_whose_structure_disagrees_with_its_layout_is_refused(tmp_path):
+    sender, _ = _stores(tmp_path)
+    doc = _offer(sender)
+    structure = {"t": "dict", "items": [["values", {"t": "tensor", "i": 0}]]}  # the second tensor is lost
+    doc.update(structure=structure, metadata_crc32=metadata_crc(doc["layout"], structure, doc["extra"]))
+    _refused_before_writing(tmp_path, doc, r"its structure does not match its layout .*1 tensor leaves are not "
+                                           "referenced")
