@@ -59,7 +59,7 @@ class ResiliencyHandle(Protocol):
     def flush_for_restart(self) -> int: ...
     def set_restart_destination(self, resolver: Optional[Callable[[], Optional[str]]]) -> None: ...
     def copy_checkpoint_to(self, destination: Optional[str] = None) -> list: ...
-    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision: ...
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryMode: ...
     def close(self) -> None: ...
 
 
@@ -513,9 +513,11 @@ class ResiliencySession:
             copied.append(os.path.join(target_dir, name))
         return copied
 
-    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision:
-        """Select latest or recovery-verified trust for `failure`, hand the decision to
-        orchestration (`report_recovery`) and keep it as `last_recovery_decision`.
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryMode:
+        """Select latest or recovery-verified trust for `failure` and return it (the
+        ``recovery_mode=`` a relaunch passes); hand the decision (that mode, this rank's checkpoint
+        for it, the reason) to orchestration (`report_recovery`) and keep it as
+        `last_recovery_decision`.
 
         A hang or uncertain failure with every rank accessible first runs SCOUT's full-catalog
         replay sweep (scout/sweep.py): collective among the peers that call it, so call it on every
@@ -543,7 +545,7 @@ class ResiliencySession:
         if faulty and hooks is not None and hooks.report_fault is not None:
             for report in replay_fault_reports(sweep.result):
                 hooks.report_fault(report)
-        return decision
+        return decision.recovery_mode
 
     def _full_sweep(self) -> SweepReport:
         if self.scout is None:
