@@ -37,7 +37,7 @@ from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
-from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
@@ -608,9 +608,9 @@ class ResiliencySession:
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:
     """Every capture boundary needs an accepted SCOUT check at that step (GEMINI guide,
     "Checkpoint Validation"), so some check class must run at every capture step."""
-    classes = ("embedding", "hidden", "output", "optimizer")
+    classes = [c for c in CHECK_CLASSES if replay.interval_for(c) > 0]   # a class at 0 is off
     if not any(capture_interval % replay.interval_for(c) == 0 for c in classes):
-        intervals = {c: replay.interval_for(c) for c in classes}
+        intervals = {c: replay.interval_for(c) for c in CHECK_CLASSES}
         raise ValueError(
             f"InMemoryCkptConfig.interval={capture_interval} is not a multiple of any SCOUT check interval "
             f"{intervals}; captures would never have an accepted check at their step and would all be vetoed. "
