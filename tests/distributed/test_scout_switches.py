@@ -41,7 +41,8 @@ def _replay_off_hang(rank, world, out_dir):
 
     session = enable_resiliency(
         wrapped, optimizer, interval=2,
-        checkpoint=InMemoryCkptConfig(run_id="switches", disk_folder=os.path.join(out_dir, "gemini"), timeout_s=60),
+        checkpoint=InMemoryCkptConfig(run_id="switches", disk_folder=os.path.join(out_dir, "gemini"), timeout_s=60,
+                                      host_memory="heap"),   # the ranks end without close(): nothing left in /dev/shm
         replay=ReplayHarnessConfig(check_interval=0, hang_stall_threshold_s=THRESHOLD_S, monitor_poll_interval_s=0.2),
         fault_callback=checks.append, oob_fault_callback=on_hang)
     for step in range(5):
