@@ -38,7 +38,8 @@ def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptCo
         raise TypeError(f"{where}(replay=...): expected a ReplayHarnessConfig, got {type(replay_config).__name__}")
     if interval is not None:
         config = dataclasses.replace(config, interval=interval)
-        replay_config = dataclasses.replace(replay_config, check_interval=interval)
+        if replay_config.check_interval > 0:   # 0 is periodic replay switched off: it stays off
+            replay_config = dataclasses.replace(replay_config, check_interval=interval)
     return config, replay_config
 
 

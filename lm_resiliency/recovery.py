@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
+
+from lm_resiliency.payload import Payload
 
 
 class RecoveryMode(str, enum.Enum):
@@ -54,9 +55,27 @@ class SweepOutcome(str, enum.Enum):
     NOT_RUN = "not_run"
 
 
-@dataclass(frozen=True)
-class RecoveryDecision:
-    """A JSON-ready checkpoint decision handed to orchestration (see `to_json`)."""
+class RecoveryDecision(Payload):
+    """The JSON-ready checkpoint decision handed to orchestration (`report_recovery`): a read-only
+    dict, so ``json.dumps(decision)`` and ``decision["step"]`` work; fields read as attributes too.
+
+    failure: the failure class it answers ("sdc", "hang", "straggler", ...; `FailureClass`).
+    mode: the selected trust, a `RecoveryMode` value ("latest" or "recovery_verified"); pass
+        ``RecoveryMode(decision["mode"])`` as ``recovery_mode=`` on relaunch.
+    source: where this rank's checkpoint for that trust lives ("memory", "disk", "durable", ...),
+        None when there is none.
+    step: that checkpoint's optimizer step, None when there is none.
+    durable_checkpoint_id: the framework checkpoint's id when the source is durable.
+    topology: the checkpoint-topology digest the step belongs to.
+    available: whether this rank found a checkpoint for the selected trust.
+    reason: why this trust and this checkpoint, in words.
+    ranks: the global rank(s) that made the decision (a list in the document).
+    """
+
+    __slots__ = ()
+    _FIELDS = ("failure", "mode", "source", "step", "durable_checkpoint_id", "topology", "available", "reason",
+               "ranks")
+    _ATTRS = {"ranks": tuple}
 
     failure: str
     mode: str
@@ -66,12 +85,19 @@ class RecoveryDecision:
     topology: Optional[str]
     available: bool
     reason: str
-    ranks: tuple = field(default_factory=tuple)
+    ranks: Tuple[int, ...]
 
-    def to_json(self) -> dict:
-        doc = asdict(self)
-        doc["ranks"] = list(self.ranks)
-        return doc
+    def __init__(self, failure: str, mode: "str | RecoveryMode", source: Optional[str], step: Optional[int],
+                 durable_checkpoint_id: Optional[str], topology: Optional[str], available: bool, reason: str,
+                 ranks: Sequence[int] = ()) -> None:
+        self._init(failure=str(failure), mode=RecoveryMode(mode).value, source=source, step=step,
+                   durable_checkpoint_id=durable_checkpoint_id, topology=topology, available=bool(available),
+                   reason=str(reason), ranks=tuple(ranks))
+
+    @property
+    def recovery_mode(self) -> RecoveryMode:
+        """`mode` as the `RecoveryMode` a relaunch passes as ``recovery_mode=``."""
+        return RecoveryMode(self["mode"])
 
 
 RecoveryDecisionCallback = Callable[[RecoveryDecision], None]

@@ -37,7 +37,7 @@ from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices, no
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
-from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
@@ -59,7 +59,7 @@ class ResiliencyHandle(Protocol):
     def flush_for_restart(self) -> int: ...
     def set_restart_destination(self, resolver: Optional[Callable[[], Optional[str]]]) -> None: ...
     def copy_checkpoint_to(self, destination: Optional[str] = None) -> list: ...
-    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision: ...
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryMode: ...
     def close(self) -> None: ...
 
 
@@ -523,9 +523,11 @@ class ResiliencySession:
             copied.append(os.path.join(target_dir, name))
         return copied
 
-    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryDecision:
-        """Select latest or recovery-verified trust for `failure`, hand the decision to
-        orchestration (`report_recovery`) and keep it as `last_recovery_decision`.
+    def prepare_recovery(self, failure: str, all_ranks_accessible: bool = True) -> RecoveryMode:
+        """Select latest or recovery-verified trust for `failure` and return it (the
+        ``recovery_mode=`` a relaunch passes); hand the decision (that mode, this rank's checkpoint
+        for it, the reason) to orchestration (`report_recovery`) and keep it as
+        `last_recovery_decision`.
 
         A hang or uncertain failure with every rank accessible first runs SCOUT's full-catalog
         replay sweep (scout/sweep.py): collective among the peers that call it, so call it on every
@@ -553,7 +555,7 @@ class ResiliencySession:
         if faulty and hooks is not None and hooks.report_fault is not None:
             for report in replay_fault_reports(sweep.result):
                 hooks.report_fault(report)
-        return decision
+        return decision.recovery_mode
 
     def _full_sweep(self) -> SweepReport:
         if self.scout is None:
@@ -616,9 +618,9 @@ class ResiliencySession:
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:
     """Every capture boundary needs an accepted SCOUT check at that step (GEMINI guide,
     "Checkpoint Validation"), so some check class must run at every capture step."""
-    classes = ("embedding", "hidden", "output", "optimizer")
+    classes = [c for c in CHECK_CLASSES if replay.interval_for(c) > 0]   # a class at 0 is off
     if not any(capture_interval % replay.interval_for(c) == 0 for c in classes):
-        intervals = {c: replay.interval_for(c) for c in classes}
+        intervals = {c: replay.interval_for(c) for c in CHECK_CLASSES}
         raise ValueError(
             f"InMemoryCkptConfig.interval={capture_interval} is not a multiple of any SCOUT check interval "
             f"{intervals}; captures would never have an accepted check at their step and would all be vetoed. "

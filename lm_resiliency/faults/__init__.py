@@ -8,8 +8,8 @@ and localization scoring. See docs/fault_injection.md.
 
 from .campaign import SCHEMA_VERSION, FaultCampaign, FaultIncident, FaultSpec, FaultTarget
 from .corruption import CorruptionOperation, FaultMagnitude, FaultScope
-from .errors import (CampaignSchemaError, InjectedFault, InjectedIOError, InjectedTimeout,
-                     UnsupportedFaultError)
+from .errors import (CampaignIdentityError, CampaignSchemaError, InjectedFault, InjectedIOError,
+                     InjectedTimeout, UnsupportedFaultError)
 from .executor import CallbackFaultExecutor, FaultExecutionRequest, FaultExecutionResult, FaultExecutor
 from .journal import CampaignJournal
 from .local_executor import LocalFaultExecutor
@@ -33,6 +33,6 @@ STABLE_EXPORTS = (
 )
 
 __all__ = sorted(STABLE_EXPORTS + (
-    "CampaignSchemaError", "InjectedFault", "InjectedIOError", "InjectedTimeout", "LocalFaultExecutor",
-    "evaluate",
+    "CampaignIdentityError", "CampaignSchemaError", "InjectedFault", "InjectedIOError", "InjectedTimeout",
+    "LocalFaultExecutor", "evaluate",
 ))

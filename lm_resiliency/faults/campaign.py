@@ -7,7 +7,9 @@ Every object is a frozen dataclass validated at construction (errors name the fi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from ._fields import (ObjectReader, build, check_id, check_non_negative_int, che
                       coerce_enum, fail, freeze_json, is_int, load_document, thaw_json)
 from .errors import CampaignSchemaError
 from .parameters import validate_parameters
-from .schedule import ClockSpec, IncidentLifetime, IncidentTrigger, RetriggerPolicy
+from .schedule import ClockSpec, ClockType, IncidentLifetime, IncidentTrigger, RetriggerPolicy
 from .taxonomy import (DEFAULT_KINDS, MODULE_SURFACES, FailureType, FaultSurface, SafetyClass)
 
 SCHEMA_VERSION = 1
@@ -193,6 +195,48 @@ class FaultIncident:
         return build(cls, path, **kwargs)
 
 
+# Surfaces whose matching calls need not come once per iteration (forward calls, batches).
+_PER_CALL_SURFACES = frozenset({FaultSurface.OUTPUT, FaultSurface.INPUT, FaultSurface.DATALOADER})
+
+
+def _window(incident: FaultIncident) -> Optional[float]:
+    """How many iterations one occurrence stays in effect, when the lifetime fixes it: None for
+    `matching_calls` of forward or batch faults (a module may run several times an iteration)."""
+    lifetime = incident.lifetime
+    if lifetime.permanent:
+        return math.inf
+    if lifetime.iterations is not None:
+        return lifetime.iterations
+    if any(f.target.surface in _PER_CALL_SURFACES for f in incident.faults):
+        return None
+    return lifetime.matching_calls
+
+
+def _check_no_overlap(incident: FaultIncident, path: str) -> None:
+    """Refuse a trigger whose occurrences would overlap: a new occurrence replaces the previous
+    one, so the first would end early, and a held or restored state would be undefined."""
+    window = _window(incident)
+    if window is None or window <= 1:
+        return
+    trigger = incident.trigger
+    if trigger.at:
+        ticks: Tuple[int, ...] = trigger.at
+    elif trigger.range is not None:
+        r = trigger.range
+        ticks = (r.start,) if r.stop is not None and r.stop - r.start <= r.every else (r.start, r.start + r.every)
+    else:
+        ticks = (1, 2)   # a probability alone makes every tick a candidate
+    close = next(((a, b) for a, b in zip(ticks, ticks[1:]) if b - a < window), None)
+    if close is None:
+        return
+    if math.isinf(window):
+        fail(path, f"a permanent incident stays in effect until the run ends, so its occurrences at ticks "
+                   f"{close[0]} and {close[1]} would overlap; give it a single tick")
+    fail(path, f"occurrences at ticks {close[0]} and {close[1]} would overlap: each stays in effect {window:g} "
+               f"iterations (lifetime {incident.lifetime.to_json()}), and the later one would replace the earlier "
+               f"while it is in effect; space the ticks at least {window:g} apart or shorten the lifetime")
+
+
 @dataclass(frozen=True)
 class FaultCampaign:
     """A named set of incidents, the clock their triggers read, and the seed that makes
@@ -229,6 +273,17 @@ class FaultCampaign:
         if not isinstance(self.clock, ClockSpec):
             fail("FaultCampaign.clock", f"must be a ClockSpec, got {type(self.clock).__name__}")
         check_str(self.description, "FaultCampaign.description")
+        if self.clock.type is ClockType.TRAINING_ITERATION:
+            for i, incident in enumerate(incidents):
+                _check_no_overlap(incident, f"FaultCampaign.incidents[{i}].trigger")
+
+    @property
+    def digest(self) -> str:
+        """The manifest's identity: SHA-256 of its canonical JSON (sorted keys, no spaces). Two
+        campaigns with the same name and different incidents, seed or clock differ here; the
+        injector binds its state store and journal to it."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def incident(self, incident_id: str) -> FaultIncident:
         for incident in self.incidents:

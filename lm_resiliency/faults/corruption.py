@@ -90,6 +90,60 @@ def count_changed(before: torch.Tensor, after: torch.Tensor) -> Tuple[int, list]
     return changed, indices
 
 
+# Applying these twice gives the value back: a fault that lasts is held, never applied again.
+INVOLUTIVE = frozenset({CorruptionOperation.SIGN_FLIP, CorruptionOperation.BIT_FLIP})
+
+
+def _flat(t: torch.Tensor, fault_id: str) -> torch.Tensor:
+    """A flat view that writes through to `t` (state tensors are contiguous)."""
+    if not t.is_contiguous():
+        raise UnsupportedFaultError(fault_id, "the state tensor is not contiguous; it cannot be held or restored "
+                                              "in place")
+    return t.detach().view(-1)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    return values.view(_FLOAT_BITS[values.dtype][0]) if values.dtype in _FLOAT_BITS else values
+
+
+def trace_change(before: torch.Tensor, after: torch.Tensor,
+                 trace: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """What an in-place corruption changed in one state tensor, merged into `trace`: the flat
+    `indices` of the changed elements, their `original` bits (before the first corruption) and
+    the `flipped` bits (original XOR corrupted), which a held fault keeps in effect."""
+    a, _ = _int_view(before.detach())
+    b, _ = _int_view(after.detach())
+    a, b = a.reshape(-1), b.reshape(-1)
+    indices = (a != b).nonzero().reshape(-1)
+    if trace is not None:
+        new = indices[~torch.isin(indices, trace["indices"])]
+        return {"indices": torch.cat([trace["indices"], new]), "original": torch.cat([trace["original"], a[new]]),
+                "flipped": torch.cat([trace["flipped"], a[new] ^ b[new]])}
+    return {"indices": indices, "original": a[indices].clone(), "flipped": a[indices] ^ b[indices]}
+
+
+def hold_change(t: torch.Tensor, trace: Dict[str, torch.Tensor], fault_id: str) -> int:
+    """Keep a traced involutive corruption in effect: force the flipped bits of the traced
+    elements to their corrupted values again, leaving every other bit as training made it (a
+    stuck-at fault). Returns how many elements had to be forced."""
+    flat = _flat(t, fault_id)
+    idx, flipped = trace["indices"], trace["flipped"]
+    current = _bits(flat[idx])
+    held = (current & ~flipped) | ((trace["original"] ^ flipped) & flipped)
+    changed = int((held != current).sum().item())
+    flat[idx] = held.view(t.dtype) if t.dtype in _FLOAT_BITS else held
+    return changed
+
+
+def restore_change(t: torch.Tensor, trace: Dict[str, torch.Tensor], fault_id: str) -> int:
+    """Write the traced elements' original values back; returns how many differed."""
+    flat = _flat(t, fault_id)
+    idx, original = trace["indices"], trace["original"]
+    changed = int((_bits(flat[idx]) != original).sum().item())
+    flat[idx] = original.view(t.dtype) if t.dtype in _FLOAT_BITS else original
+    return changed
+
+
 def corrupt_tensor(x: torch.Tensor, *, fault_id: str, operation: CorruptionOperation,
                    scope: FaultScope = FaultScope.FULL, seed: int = 0,
                    fraction: Optional[float] = None, index: Optional[int] = None,
@@ -186,5 +240,5 @@ def corrupt_tensor(x: torch.Tensor, *, fault_id: str, operation: CorruptionOpera
     return out, evidence
 
 
-__all__ = ["CorruptionOperation", "FaultMagnitude", "FaultScope", "corrupt_tensor", "count_changed",
-           "default_bit", "derive_seed"]
+__all__ = ["INVOLUTIVE", "CorruptionOperation", "FaultMagnitude", "FaultScope", "corrupt_tensor", "count_changed",
+           "default_bit", "derive_seed", "hold_change", "restore_change", "trace_change"]

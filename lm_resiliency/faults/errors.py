@@ -18,8 +18,15 @@ class CampaignSchemaError(ValueError):
         super().__init__(f"{path}: {reason}")
 
 
-class UnsupportedFaultError(RuntimeError):
-    """An executor cannot perform this fault here; the message says why."""
+class CampaignIdentityError(ValueError):
+    """A campaign state store or journal belongs to another manifest than the one attached: its
+    claims and records would be taken for this manifest's (a changed fault recorded
+    `already_claimed` and never injected). The message names both manifest digests."""
+
+
+class UnsupportedFaultError(ValueError):
+    """An executor cannot perform this fault here (or the campaign cannot be bound to this
+    model); the message says why. A `ValueError`: the fault as given is refused."""
 
     def __init__(self, fault_id: str, reason: str) -> None:
         self.fault_id = fault_id
@@ -54,5 +61,5 @@ class InjectedIOError(InjectedFault, OSError):
         self.strerror = message
 
 
-__all__ = ["CampaignSchemaError", "InjectedFault", "InjectedIOError", "InjectedTimeout",
+__all__ = ["CampaignIdentityError", "CampaignSchemaError", "InjectedFault", "InjectedIOError", "InjectedTimeout",
            "UnsupportedFaultError"]

@@ -36,8 +36,10 @@ class FaultExecutionRequest:
     `phase` says which call point this is: "forward" (value: the module output), "forward_pre"
     (value: the positional inputs tuple), "pre_step" / "post_step" (around optimizer.step),
     "iteration_start" (first forward of an iteration), "batch" (value: the fetched batch;
-    `fetch` pulls the next one from the underlying loader).
-    `context` is scratch space shared by every call of this fault in this occurrence.
+    `fetch` pulls the next one from the underlying loader), or "deactivate" (the occurrence
+    ended: `FaultExecutor.deactivate`, with `reason` "expired", "replaced", "reset" or "closed").
+    `context` is scratch space shared by every call of this fault in this occurrence, and handed
+    to `deactivate`: keep there what it needs to undo the effect.
     `commit(evidence)` journals the INJECTED record immediately; executors call it right
     before an effect that leaves no chance to report afterwards (killing the process).
     """
@@ -60,6 +62,7 @@ class FaultExecutionRequest:
     context: Dict[str, Any] = field(default_factory=dict)
     fetch: Optional[Callable[[], Any]] = None
     commit: Optional[Callable[[Mapping[str, Any]], None]] = None
+    reason: str = ""
 
     @property
     def fault_id(self) -> str:
@@ -93,10 +96,12 @@ class FaultExecutionResult:
 
 class FaultExecutor(ABC):
     """Performs faults. The session calls `check(spec)` once at attach for every fault that
-    targets its rank, then `execute(request)` at each matching call while the fault is armed.
+    targets its rank, `execute(request)` at each matching call while the fault is armed, and
+    `deactivate(request)` once when an occurrence whose fault it executed ends.
 
-    Either may raise `UnsupportedFaultError` (recorded as UNSUPPORTED); `execute` may raise
-    `InjectedFault` as the effect itself (recorded as INJECTED, then re-raised)."""
+    Either of the first two may raise `UnsupportedFaultError` (recorded as UNSUPPORTED);
+    `execute` may raise `InjectedFault` as the effect itself (recorded as INJECTED, then
+    re-raised)."""
 
     def check(self, spec: FaultSpec) -> None:
         """Raise UnsupportedFaultError if `spec` can never be performed here. Default: accept."""
@@ -105,20 +110,37 @@ class FaultExecutor(ABC):
     def execute(self, request: FaultExecutionRequest) -> FaultExecutionResult:
         """Perform one matching call of `request.spec`."""
 
+    def deactivate(self, request: FaultExecutionRequest) -> Optional[FaultExecutionResult]:
+        """Undo what `execute` started for this occurrence (a partition, a throttle, a held
+        value), from what it kept in `request.context`. Called once per executed fault when the
+        occurrence ends: its lifetime expired, a new occurrence of its incident replaced it, the
+        clock was reset (`set_iteration`), or the session closed (`request.reason`). Return a
+        result whose evidence says what was undone (journaled as DEACTIVATED; its status is
+        ignored), or None when there was nothing to undo (nothing is journaled). Default: None."""
+        return None
+
 
 class CallbackFaultExecutor(FaultExecutor):
     """Plug your own effect: `fn(request)` returns a FaultExecutionResult (or None for a plain
     INJECTED with no evidence).
 
     `failure_types` limits which types `fn` handles; others go to `fallback` (for example a
-    `LocalFaultExecutor`) or are unsupported."""
+    `LocalFaultExecutor`) or are unsupported. `deactivate(request)` undoes what `fn` started
+    when the occurrence ends (see `FaultExecutor.deactivate`); a fallback type is deactivated
+    by the fallback."""
 
     def __init__(self, fn: Callable[[FaultExecutionRequest], Optional[FaultExecutionResult]], *,
                  failure_types: Optional[Collection[FailureType]] = None,
-                 fallback: Optional[FaultExecutor] = None) -> None:
+                 fallback: Optional[FaultExecutor] = None,
+                 deactivate: Optional[Callable[[FaultExecutionRequest], Optional[FaultExecutionResult]]] = None
+                 ) -> None:
         if not callable(fn):
             raise TypeError(f"CallbackFaultExecutor: fn must be callable, got {type(fn).__name__}")
+        if deactivate is not None and not callable(deactivate):
+            raise TypeError(f"CallbackFaultExecutor: deactivate must be callable or None, got "
+                            f"{type(deactivate).__name__}")
         self._fn = fn
+        self._deactivate = deactivate
         self._types = None if failure_types is None else frozenset(FailureType(t) for t in failure_types)
         self._fallback = fallback
 
@@ -142,6 +164,17 @@ class CallbackFaultExecutor(FaultExecutor):
             return FaultExecutionResult()
         if not isinstance(result, FaultExecutionResult):
             raise TypeError(f"CallbackFaultExecutor: fn returned {type(result).__name__}, expected a "
+                            "FaultExecutionResult or None")
+        return result
+
+    def deactivate(self, request: FaultExecutionRequest) -> Optional[FaultExecutionResult]:
+        if not self._handles(request.spec):
+            return self._fallback.deactivate(request) if self._fallback is not None else None
+        if self._deactivate is None:
+            return None
+        result = self._deactivate(request)
+        if result is not None and not isinstance(result, FaultExecutionResult):
+            raise TypeError(f"CallbackFaultExecutor: deactivate returned {type(result).__name__}, expected a "
                             "FaultExecutionResult or None")
         return result
 

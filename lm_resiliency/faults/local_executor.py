@@ -3,6 +3,7 @@ safely on one host; refuses the rest with `UnsupportedFaultError` and the reason
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_module
 import logging
 import os
@@ -14,7 +15,8 @@ import torch
 
 from . import checkpoint_faults
 from .campaign import FaultSpec
-from .corruption import CorruptionOperation, FaultMagnitude, FaultScope, corrupt_tensor, count_changed
+from .corruption import (INVOLUTIVE, CorruptionOperation, FaultMagnitude, FaultScope, corrupt_tensor, count_changed,
+                         hold_change, restore_change, trace_change)
 from .errors import InjectedFault, InjectedIOError, InjectedTimeout, UnsupportedFaultError
 from .executor import FaultExecutionRequest, FaultExecutionResult, FaultExecutor
 from .records import InjectionStatus
@@ -121,6 +123,11 @@ class LocalFaultExecutor(FaultExecutor):
             magnitude=FaultMagnitude(p.get("magnitude", FaultMagnitude.MODERATE.value)))
 
     def _tensor_corruption(self, request: FaultExecutionRequest) -> FaultExecutionResult:
+        """Outputs and inputs are corrupted out of place at each matching call; gradients (fresh
+        every step) in place at each step. Parameters and optimizer state persist: the first
+        call corrupts them and traces what changed (`request.context`), a later call of a sign
+        or bit flip holds the flipped bits (applying it again would give the value back), other
+        operations apply again, and `deactivate` writes the original values back."""
         surface = request.spec.target.surface
         if surface in (U.OUTPUT, U.INPUT):
             return self._corrupt_value(request)
@@ -128,15 +135,30 @@ class LocalFaultExecutor(FaultExecutor):
         if not named:
             return FaultExecutionResult(InjectionStatus.NO_EFFECT, {"tensors": []},
                                         detail=f"no {surface.value} tensors to corrupt")
-        report, total = [], 0
+        persistent = surface in (U.PARAMETER, U.OPTIMIZER_STATE)
+        traces = request.context.setdefault("traces", {}) if persistent else {}
+        held = CorruptionOperation(request.parameters["operation"]) in INVOLUTIVE
+        report, total, holding = [], 0, 0
         with torch.no_grad():
             for i, (name, tensor) in enumerate(named):
+                if held and name in traces:
+                    changed = hold_change(tensor, traces[name], request.fault_id)
+                    report.append({"name": name, "held": int(traces[name]["indices"].numel()),
+                                   "elements_changed": changed})
+                    holding += 1
+                    continue
                 corrupted, evidence = self._corrupt(request, tensor, seed_offset=i)
+                if persistent:
+                    traces[name] = trace_change(tensor, corrupted, traces.get(name))
                 tensor.copy_(corrupted)
                 report.append(dict(evidence, name=name))
                 total += evidence["elements_changed"]
-        status = InjectionStatus.INJECTED if total else InjectionStatus.NO_EFFECT
-        return FaultExecutionResult(status, {"elements_changed": total, "tensors": report[:16]})
+        evidence = {"elements_changed": total, "tensors": report[:16]}
+        if holding:
+            # The flipped bits stay in effect (forced again where training changed them).
+            evidence["held"] = True
+            return FaultExecutionResult(InjectionStatus.INJECTED, evidence)
+        return FaultExecutionResult(InjectionStatus.INJECTED if total else InjectionStatus.NO_EFFECT, evidence)
 
     def _corrupt_value(self, request: FaultExecutionRequest) -> FaultExecutionResult:
         value = request.value
@@ -183,6 +205,51 @@ class LocalFaultExecutor(FaultExecutor):
                     if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
                             and (wanted is None or key == wanted)):
                         yield f"{name}:{key}", value
+
+    # ------------------------------------------------------------------ deactivation
+
+    def deactivate(self, request: FaultExecutionRequest) -> Optional[FaultExecutionResult]:
+        """Undo what lasts after the occurrence: parameter and optimizer-state corruption gets
+        its original values back, held host memory and disk fill are released, a config drift
+        is set back. Damaged shards, a killed process, stalls and altered batches cannot be (or
+        need not be) undone."""
+        context, t = request.context, request.type
+        if t is F.TENSOR_CORRUPTION and context.get("traces"):
+            traces = context.pop("traces")
+            restored, names = 0, []
+            with torch.no_grad():
+                for name, tensor in self._state_tensors(request):
+                    if name in traces:
+                        restored += restore_change(tensor, traces.pop(name), request.fault_id)
+                        names.append(name)
+            evidence: Dict[str, Any] = {"elements_restored": restored, "tensors": names[:16]}
+            if traces:
+                evidence["gone"] = sorted(traces)[:16]   # e.g. optimizer state replaced by load_state_dict
+            return FaultExecutionResult(evidence=evidence, detail=f"original values restored ({request.reason})")
+        if t is F.RESOURCE_EXHAUSTION and (context.get("held") or context.get("files")):
+            held = context.pop("held", [])
+            files = context.pop("files", [])
+            for path in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            return FaultExecutionResult(evidence={"released_bytes": sum(len(h) for h in held),
+                                                  "removed_files": files},
+                                        detail=f"resource released ({request.reason})")
+        if t is F.CONFIG_DRIFT and "restore" in context:
+            kind, saved = context.pop("restore")
+            if kind == "env":
+                name, before = saved
+                if before is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = before
+                evidence = {"env": name, "restored": before}
+            else:
+                for index, key, before in saved:
+                    request.optimizer.param_groups[index][key] = before
+                evidence = {"key": saved[0][1], "groups": [i for i, _, _ in saved]}
+            return FaultExecutionResult(evidence=evidence, detail=f"configuration set back ({request.reason})")
+        return None
 
     # ------------------------------------------------------------------ stale state
 
@@ -265,6 +332,7 @@ class LocalFaultExecutor(FaultExecutor):
         if request.sandbox_dir is None:
             raise UnsupportedFaultError(request.fault_id, "disk exhaustion needs a sandbox directory")
         path = os.path.join(request.sandbox_dir, f"exhaust-{request.call_index}.bin")
+        request.context.setdefault("files", []).append(path)
         chunk = b"\0" * min(nbytes, 1 << 20)
         written = 0
         with open(path, "wb") as f:
@@ -325,6 +393,7 @@ class LocalFaultExecutor(FaultExecutor):
         if "env" in p:
             name = p["env"]
             before = os.environ.get(name)
+            request.context.setdefault("restore", ("env", (name, before)))   # the value before the first call
             os.environ[name] = str(p["value"])
             return FaultExecutionResult(evidence={"env": name, "before": before, "after": os.environ[name]})
         if request.optimizer is None:
@@ -333,14 +402,16 @@ class LocalFaultExecutor(FaultExecutor):
         key = p["key"]
         groups = request.optimizer.param_groups
         indices = [p["param_group"]] if "param_group" in p else list(range(len(groups)))
-        changed = []
+        changed, saved = [], []
         for i in indices:
             if i >= len(groups) or key not in groups[i]:
                 raise UnsupportedFaultError(request.fault_id, f"optimizer param_group {i} has no "
                                                               f"hyperparameter {key!r}")
             before = groups[i][key]
+            saved.append((i, key, before))
             groups[i][key] = p["value"]
             changed.append({"param_group": i, "before": _plain(before), "after": p["value"]})
+        request.context.setdefault("restore", ("optimizer", saved))
         status = (InjectionStatus.INJECTED if any(c["before"] != c["after"] for c in changed)
                   else InjectionStatus.NO_EFFECT)
         return FaultExecutionResult(status, {"key": key, "groups": changed})

@@ -22,7 +22,9 @@ class InjectionStatus(str, Enum):
     matching call. UNSUPPORTED: the executor cannot do it here (`detail` says why). FAILED: the
     executor raised unexpectedly (`detail` has the error). ARMED: it was armed but the session
     closed (or the clock was reset) before any matching call; it was never claimed, so the worker
-    that next reaches its tick arms it again."""
+    that next reaches its tick arms it again. DEACTIVATED: the occurrence ended and the executor
+    undid its effect (a held or bounded state fault restored, held memory released); `evidence`
+    says what was undone."""
 
     INJECTED = "injected"
     NO_EFFECT = "no_effect"
@@ -31,6 +33,7 @@ class InjectionStatus(str, Enum):
     UNSUPPORTED = "unsupported"
     FAILED = "failed"
     ARMED = "armed"
+    DEACTIVATED = "deactivated"
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class FaultInjectionRecord:
 
     `tick` is the clock tick of the occurrence (its id is ``f"{incident_id}@{tick}"``);
     `iteration` is the training iteration that was running when the fault met its matching
-    call (equal to `tick` on the default clock); `call_index` counts matching calls (1-based)."""
+    call (equal to `tick` on the default clock); `call_index` counts matching calls (1-based).
+    `resource` and `component` are the fault target's labels (the truth `evaluate` compares
+    localized resources and components with); `campaign_digest` is the identity of the
+    manifest that produced the record (`FaultCampaign.digest`)."""
 
     occurrence_id: str
     incident_id: str
@@ -60,6 +66,9 @@ class FaultInjectionRecord:
     pid: int = 0
     evidence: Mapping[str, Any] = field(default_factory=dict)
     detail: str = ""
+    resource: Optional[str] = None
+    component: Optional[str] = None
+    campaign_digest: str = ""
 
     def __post_init__(self) -> None:
         check_str(self.occurrence_id, "FaultInjectionRecord.occurrence_id", empty=False)
@@ -78,9 +87,10 @@ class FaultInjectionRecord:
         if not is_number(self.wall_time):
             fail("FaultInjectionRecord.wall_time", f"must be a finite number, got {self.wall_time!r}")
         object.__setattr__(self, "wall_time", float(self.wall_time))
-        if self.module_path is not None:
-            check_str(self.module_path, "FaultInjectionRecord.module_path")
-        for name in ("generation", "host", "detail"):
+        for name in ("module_path", "resource", "component"):
+            if getattr(self, name) is not None:
+                check_str(getattr(self, name), f"FaultInjectionRecord.{name}")
+        for name in ("generation", "host", "detail", "campaign_digest"):
             check_str(getattr(self, name), f"FaultInjectionRecord.{name}")
         object.__setattr__(self, "evidence", freeze_json(self.evidence, "FaultInjectionRecord.evidence"))
 
@@ -97,6 +107,7 @@ class FaultInjectionRecord:
             "module_path": self.module_path, "call_index": self.call_index,
             "world_size": self.world_size, "generation": self.generation, "host": self.host,
             "pid": self.pid, "evidence": thaw_json(self.evidence), "detail": self.detail,
+            "resource": self.resource, "component": self.component, "campaign_digest": self.campaign_digest,
         }
 
     @classmethod
@@ -105,7 +116,7 @@ class FaultInjectionRecord:
         required = ("occurrence_id", "incident_id", "fault_id", "failure_type", "rank", "status",
                     "tick", "iteration", "wall_time", "surface")
         optional = ("module_path", "call_index", "world_size", "generation", "host", "pid",
-                    "evidence", "detail")
+                    "evidence", "detail", "resource", "component", "campaign_digest")
         r = ObjectReader(doc, path, required, optional)
         kwargs = {k: r.get(k) for k in required + optional if k in r}
         return build(cls, path, **kwargs)

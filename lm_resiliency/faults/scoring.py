@@ -3,7 +3,8 @@
 `evaluate(records, localizations)` groups the journal's records into occurrences, attributes
 each localization to one occurrence, and reports per occurrence (`FaultEvaluation`) and for the
 campaign (`CampaignReport`): precision, recall and false-positive rate of localization at rank
-granularity, and time-to-localize. Definitions are in docs/fault_injection.md.
+granularity, whether the localized resources and components match the ones the faults were
+labelled with, and time-to-localize. Definitions are in docs/fault_injection.md.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence,
-                    Tuple)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 from lm_resiliency.files import atomic_write
 
@@ -27,16 +28,39 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Scopes that detect a fault without blaming particular ranks.
 UNLOCALIZED_SCOPES = frozenset({"peer_group"})
+# SCOUT's replay checks name their resource "<check>:<module or parameter path>".
+_REPLAY_CHECKS = frozenset({"embedding", "hidden", "output", "optimizer", "parameters", "optimizer_state", "live",
+                            "input", "backward", "expert"})
 
 
-def _ranks(value: Any, path: str) -> Tuple[int, ...]:
+def names(claimed: str, truth: str) -> bool:
+    """Whether a claimed resource or component names the labelled `truth`: it is `truth`, or
+    lies inside it ("layers.2.weight" and "layers.2[0:64]" inside "layers.2"), also behind a
+    detector's qualifier ("hidden:layers.2", "dataloader:train" for "train"). A claim broader
+    than the truth ("layers" for "layers.2") or elsewhere does not name it."""
+    _, qualified, rest = claimed.partition(":")
+    for candidate in (claimed, rest) if qualified else (claimed,):
+        if candidate == truth or candidate.startswith((truth + ".", truth + "[")):
+            return True
+    return False
+
+
+def _tuple_of(value: Any, path: str, what: str, check: Callable[[Any, str], Any]) -> Tuple[Any, ...]:
     if isinstance(value, list):
         value = tuple(value)
     if not isinstance(value, tuple):
-        fail(path, f"must be a tuple of ranks, got {type(value).__name__}")
-    for i, rank in enumerate(value):
-        check_non_negative_int(rank, f"{path}[{i}]")
-    return tuple(sorted(set(value)))
+        fail(path, f"must be a tuple of {what}, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        check(item, f"{path}[{i}]")
+    return value
+
+
+def _labels(value: Any, path: str) -> Tuple[str, ...]:
+    return tuple(dict.fromkeys(_tuple_of(value, path, "strings", lambda v, p: check_str(v, p, empty=False))))
+
+
+def _ranks(value: Any, path: str) -> Tuple[int, ...]:
+    return tuple(sorted(set(_tuple_of(value, path, "ranks", check_non_negative_int))))
 
 
 @dataclass(frozen=True)
@@ -44,9 +68,11 @@ class LocalizationResult:
     """A neutral localization claim from any detector (SCOUT, a watchdog, a human).
 
     `ranks` are the blamed ranks; with `scope` "peer_group" the claim detects a fault without
-    blaming any rank (no claimed ranks). `iteration` (training iteration of detection) and/or
-    `detected_at` (wall time) place it in time. `occurrence_id` pins the claim to one occurrence;
-    without it, `evaluate` attributes it by time and rank overlap."""
+    blaming any rank (no claimed ranks). `resource` is what the detector found faulty or blocked
+    ("output:layers.2", "dataloader:train"; "" when it names none) and `components` the parts
+    of the system it blames (model modules, devices, links). `iteration` (training iteration of
+    detection) and/or `detected_at` (wall time) place it in time. `occurrence_id` pins the
+    claim to one occurrence; without it, `evaluate` attributes it by time and rank overlap."""
 
     ranks: Tuple[int, ...]
     kind: str
@@ -59,9 +85,11 @@ class LocalizationResult:
     source: str = ""
     occurrence_id: Optional[str] = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    components: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", _ranks(self.ranks, "LocalizationResult.ranks"))
+        object.__setattr__(self, "components", _labels(self.components, "LocalizationResult.components"))
         check_str(self.kind, "LocalizationResult.kind", empty=False)
         if self.iteration is not None:
             check_non_negative_int(self.iteration, "LocalizationResult.iteration")
@@ -87,31 +115,38 @@ class LocalizationResult:
         return frozenset() if self.scope in UNLOCALIZED_SCOPES else frozenset(self.ranks)
 
     @classmethod
-    def from_fault_report(cls, report: "SCOUTFaultReport") -> "LocalizationResult":
+    def from_fault_report(cls, report: "SCOUTFaultReport",
+                          components: Optional[Sequence[str]] = None) -> "LocalizationResult":
         """Convert a SCOUT fault report (kind, scope, ranks, hosts, resource, step, detected_at).
 
         Out-of-band reports (hang, DataLoader and checkpoint I/O stalls) carry the culprit's last
         *completed* step; the stall happened in the iteration after it. Replay reports carry the
-        step being checked, which is the iteration itself."""
+        step being checked, which is the iteration itself. `components` defaults to the module
+        or parameter a replay check names ("layers.2" for "output:layers.2",
+        "layers.0.weight" for "optimizer:layers.0.weight[0:4096]"), else none."""
         iteration = report.step
         if iteration is not None and report.kind in _OUT_OF_BAND_KINDS:
             iteration += 1
+        if components is None:
+            check, qualified, path = report.resource.partition(":")
+            components = (path.split("[")[0],) if qualified and check in _REPLAY_CHECKS and path else ()
         return cls(ranks=tuple(report.ranks), kind=report.kind, iteration=iteration,
                    detected_at=report.detected_at, scope=report.scope, resource=report.resource,
                    hosts=tuple(report.hosts), confidence=float(report.confidence), source="scout",
-                   evidence=_plain_json(report.evidence))
+                   evidence=_plain_json(report.evidence), components=tuple(components))
 
     def to_json(self) -> Dict[str, Any]:
         return {"ranks": list(self.ranks), "kind": self.kind, "iteration": self.iteration,
                 "detected_at": self.detected_at, "scope": self.scope, "resource": self.resource,
                 "hosts": list(self.hosts), "confidence": self.confidence, "source": self.source,
-                "occurrence_id": self.occurrence_id, "evidence": thaw_json(self.evidence)}
+                "occurrence_id": self.occurrence_id, "evidence": thaw_json(self.evidence),
+                "components": list(self.components)}
 
     @classmethod
     def from_json(cls, doc: Any, path: str = "$") -> "LocalizationResult":
         doc = load_document(doc, "localization result")
         keys = ("ranks", "kind", "iteration", "detected_at", "scope", "resource", "hosts", "confidence",
-                "source", "occurrence_id", "evidence")
+                "source", "occurrence_id", "evidence", "components")
         r = ObjectReader(doc, path, ("ranks", "kind"), keys[2:])
         return build(cls, path, **r.kwargs(*keys))
 
@@ -131,7 +166,12 @@ def _plain_json(value: Any) -> Any:
 class FaultEvaluation:
     """How one occurrence fared. Ranks are sorted tuples; times are seconds; latencies are from
     the first injected record to the first attributed localization; time-to-localize is to the
-    localization after which the attributed claims equal the truth ranks exactly."""
+    localization after which the attributed claims equal the truth exactly.
+
+    `truth_resources` / `truth_components` are the labels of the injected faults' targets
+    (`FaultTarget.resource` / `.component`); when there are any, `localized_exactly` also needs
+    every claimed resource (component) to name one of them (`false_positive_*` lists those that
+    do not: an over-claim) and every one of them to be named (`missed_*`)."""
 
     occurrence_id: str
     incident_id: str
@@ -154,19 +194,32 @@ class FaultEvaluation:
     latency_s: Optional[float] = None
     time_to_localize_iterations: Optional[int] = None
     time_to_localize_s: Optional[float] = None
+    truth_resources: Tuple[str, ...] = ()
+    claimed_resources: Tuple[str, ...] = ()
+    false_positive_resources: Tuple[str, ...] = ()
+    missed_resources: Tuple[str, ...] = ()
+    truth_components: Tuple[str, ...] = ()
+    claimed_components: Tuple[str, ...] = ()
+    false_positive_components: Tuple[str, ...] = ()
+    missed_components: Tuple[str, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
         doc = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for k in ("failure_types", "truth_ranks", "claimed_ranks", "false_positive_ranks", "missed_ranks"):
+        for k in _TUPLE_FIELDS:
             doc[k] = list(doc[k])
         return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> "FaultEvaluation":
         doc = dict(load_document(doc, "fault evaluation"))
-        for k in ("failure_types", "truth_ranks", "claimed_ranks", "false_positive_ranks", "missed_ranks"):
+        for k in _TUPLE_FIELDS:
             doc[k] = tuple(doc.get(k, ()))
         return cls(**doc)
+
+
+_TUPLE_FIELDS = ("failure_types", "truth_ranks", "claimed_ranks", "false_positive_ranks", "missed_ranks",
+                 "truth_resources", "claimed_resources", "false_positive_resources", "missed_resources",
+                 "truth_components", "claimed_components", "false_positive_components", "missed_components")
 
 
 @dataclass(frozen=True)
@@ -263,6 +316,14 @@ class _Occurrence:
     @property
     def truth(self) -> FrozenSet[int]:
         return frozenset(r.rank for r in self.injected_records)
+
+    @property
+    def truth_resources(self) -> Tuple[str, ...]:
+        return tuple(sorted({r.resource for r in self.injected_records if r.resource is not None}))
+
+    @property
+    def truth_components(self) -> Tuple[str, ...]:
+        return tuple(sorted({r.component for r in self.injected_records if r.component is not None}))
 
     @property
     def iteration(self) -> Optional[int]:
@@ -378,20 +439,25 @@ def evaluate(records: Iterable[FaultInjectionRecord], localizations: Sequence[Lo
             continue
         truth = occ.truth
         claimed: set = set()
+        resources = _Labels(occ.truth_resources)
+        components = _Labels(occ.truth_components)
         ttl: Optional[LocalizationResult] = None
         for loc in occ.matched:
             claimed |= loc.claimed_ranks
-            if ttl is None and claimed == truth:
+            resources.claim((loc.resource,) if loc.resource else ())
+            components.claim(loc.components)
+            if ttl is None and claimed == truth and resources.exact and components.exact:
                 ttl = loc
-        if ttl is not None and claimed != truth:
-            ttl = None  # a later claim blamed a healthy rank: not exactly localized in the end
+        exact = occ.matched and claimed == truth and resources.exact and components.exact
+        if ttl is not None and not exact:
+            ttl = None  # a later claim blamed a healthy rank or another resource: not exact in the end
         accepted = _accepted_kinds(campaign, occ.incident_id, types)
         first = occ.matched[0] if occ.matched else None
         e = FaultEvaluation(
             occurrence_id=occ.occurrence_id, incident_id=occ.incident_id, failure_types=tuple(types),
             status=occ.status, injected=True, truth_ranks=tuple(sorted(truth)),
             injected_iteration=occ.iteration, injected_at=occ.wall_time, detected=first is not None,
-            localized_exactly=first is not None and claimed == truth,
+            localized_exactly=bool(exact),
             kind_matches=any(loc.kind in accepted for loc in occ.matched),
             claimed_ranks=tuple(sorted(claimed)), false_positive_ranks=tuple(sorted(claimed - truth)),
             missed_ranks=tuple(sorted(truth - claimed)), localizations=len(occ.matched),
@@ -400,7 +466,11 @@ def evaluate(records: Iterable[FaultInjectionRecord], localizations: Sequence[Lo
             latency_iterations=_diff(first.iteration if first else None, occ.iteration),
             latency_s=_diff(first.detected_at if first else None, occ.wall_time),
             time_to_localize_iterations=_diff(ttl.iteration if ttl else None, occ.iteration),
-            time_to_localize_s=_diff(ttl.detected_at if ttl else None, occ.wall_time))
+            time_to_localize_s=_diff(ttl.detected_at if ttl else None, occ.wall_time),
+            truth_resources=resources.truth, claimed_resources=resources.claimed,
+            false_positive_resources=resources.over, missed_resources=resources.missed,
+            truth_components=components.truth, claimed_components=components.claimed,
+            false_positive_components=components.over, missed_components=components.missed)
         evaluations.append(e)
         tp += len(claimed & truth)
         fp += len(claimed - truth)
@@ -430,6 +500,36 @@ def evaluate(records: Iterable[FaultInjectionRecord], localizations: Sequence[Lo
         time_to_localize_max_iterations=max(ttl_it) if ttl_it else None)
 
 
+class _Labels:
+    """The claimed resources (or components) of one occurrence against its labelled truth; with
+    no truth labels, nothing is scored (every claim is accepted)."""
+
+    def __init__(self, truth: Tuple[str, ...]) -> None:
+        self.truth = truth
+        self._claimed: Dict[str, None] = {}
+
+    def claim(self, labels: Iterable[str]) -> None:
+        self._claimed.update(dict.fromkeys(labels))
+
+    @property
+    def claimed(self) -> Tuple[str, ...]:
+        return tuple(sorted(self._claimed))
+
+    @property
+    def over(self) -> Tuple[str, ...]:
+        if not self.truth:
+            return ()
+        return tuple(c for c in self.claimed if not any(names(c, t) for t in self.truth))
+
+    @property
+    def missed(self) -> Tuple[str, ...]:
+        return tuple(t for t in self.truth if not any(names(c, t) for c in self._claimed))
+
+    @property
+    def exact(self) -> bool:
+        return not self.over and not self.missed
+
+
 def _diff(a: Any, b: Any) -> Any:
     return None if a is None or b is None else a - b
 
@@ -444,4 +544,4 @@ def _accepted_kinds(campaign: Optional["FaultCampaign"], incident_id: str,
     return frozenset().union(*(DEFAULT_KINDS[FailureType(t)] for t in types))
 
 
-__all__ = ["CampaignReport", "FaultEvaluation", "LocalizationResult", "evaluate"]
+__all__ = ["CampaignReport", "FaultEvaluation", "LocalizationResult", "evaluate", "names"]

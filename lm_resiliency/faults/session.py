@@ -31,10 +31,11 @@ from lm_resiliency.config import ConfigError, env_resume_step
 
 from .campaign import FaultCampaign, FaultIncident, FaultSpec
 from .corruption import derive_seed
-from .errors import InjectedFault, UnsupportedFaultError
+from .errors import CampaignIdentityError, InjectedFault, UnsupportedFaultError
 from .executor import UNCHANGED, FaultExecutionRequest, FaultExecutor
 from .journal import CampaignJournal
 from .local_executor import LocalFaultExecutor
+from .binding import bind, resolve_modules
 from .records import FaultInjectionRecord, InjectionStatus
 from .schedule import ClockOrigin, ClockType, RetriggerPolicy
 from .scoring import CampaignReport, LocalizationResult, evaluate
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 GENERATION_ENV = "TORCHELASTIC_RESTART_COUNT"
 WALL_CLOCK_ORIGIN_KEY = "wall_clock_origin"
+MANIFEST_KEY = "campaign_manifest"
 
 U = FaultSurface
 # Faults that meet their matching call at the first forward of each iteration.
@@ -69,6 +71,7 @@ class _Activation:
     contexts: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     dead: set = field(default_factory=set)  # fault ids that must not run again (unsupported)
     staged: set = field(default_factory=set)  # stale-state faults waiting for their post-step
+    started: set = field(default_factory=set)  # fault ids the executor ran: deactivated when it ends
 
     def live(self, spec: FaultSpec, iteration: int) -> bool:
         if spec.fault_id in self.dead:
@@ -82,19 +85,6 @@ class _Activation:
         return any(self.live(spec, iteration) for spec in self.faults)
 
 
-def _resolve_module(model: torch.nn.Module, path: str, fault_id: str) -> torch.nn.Module:
-    candidates = [path]
-    if hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
-        candidates.append(f"module.{path}" if path else "module")
-    for candidate in candidates:
-        try:
-            return model.get_submodule(candidate) if candidate else model
-        except AttributeError:
-            continue
-    raise ValueError(f"fault {fault_id!r}: the model has no submodule {path!r} (module_path must be a "
-                     f"dotted name as in model.get_submodule)")
-
-
 def _default_rank_and_world() -> Tuple[int, int]:
     import torch.distributed as dist
 
@@ -106,16 +96,13 @@ def _default_rank_and_world() -> Tuple[int, int]:
 class FaultInjectionSession:
     """An attached campaign (see `enable_fault_injection`). Close it to remove every hook."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 campaign: FaultCampaign, *, rank: Optional[int] = None,
+    def __init__(self, model: Any, optimizer: Any, campaign: FaultCampaign, *, rank: Optional[int] = None,
                  world_size: Optional[int] = None, executor: Optional[FaultExecutor] = None,
                  state_store: Optional[CampaignStateStore] = None,
                  journal: Optional[CampaignJournal] = None, start_iteration: Optional[int] = None,
                  generation: Optional[str] = None, sandbox_dir: Optional[str] = None,
                  strict: bool = True) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"enable_fault_injection: model must be a torch.nn.Module, "
-                            f"got {type(model).__name__}")
+        binding = bind(model, optimizer)
         if not isinstance(campaign, FaultCampaign):
             raise TypeError(f"enable_fault_injection: campaign must be a FaultCampaign, got "
                             f"{type(campaign).__name__}")
@@ -129,7 +116,7 @@ class FaultInjectionSession:
                              f"{self._rank}, got {self._world_size!r}")
         if start_iteration is None:
             try:
-                start_iteration = env_resume_step() or 0
+                start_iteration = binding.start if binding.start is not None else env_resume_step() or 0
             except ConfigError as exc:
                 raise ConfigError(f"enable_fault_injection: {exc}") from None
         if not isinstance(start_iteration, int) or start_iteration < 0:
@@ -145,7 +132,10 @@ class FaultInjectionSession:
             raise TypeError(f"enable_fault_injection: journal must be a CampaignJournal, "
                             f"got {type(journal).__name__}")
         self.model = model
-        self.optimizer = optimizer
+        self.binding = binding
+        # What executors see: one module over every model part, and the optimizer faults read.
+        self._root = binding.parts[0] if len(binding.parts) == 1 else torch.nn.ModuleList(binding.parts)
+        self.optimizer = binding.optimizer
         self.campaign = campaign
         self.executor = executor if executor is not None else LocalFaultExecutor()
         self.state_store = state_store if state_store is not None else MemoryCampaignStateStore()
@@ -153,6 +143,8 @@ class FaultInjectionSession:
         self.generation = str(generation if generation is not None
                               else os.environ.get(GENERATION_ENV, f"pid-{os.getpid()}"))
         self.strict = bool(strict)
+        self._digest = campaign.digest
+        self._bind_manifest()
         self._start_iteration = start_iteration
         self._iteration = start_iteration + 1
         self._host = socket.gethostname()
@@ -167,6 +159,7 @@ class FaultInjectionSession:
         self._incidents: List[Tuple[FaultIncident, Tuple[FaultSpec, ...]]] = []
         self._unsupported: Dict[str, str] = {}
         self._modules: Dict[str, torch.nn.Module] = {}
+        self._hooked: Dict[str, Tuple[torch.nn.Module, ...]] = {}
         for incident in campaign.incidents:
             mine = tuple(f for f in incident.faults if f.target.rank == self._rank)
             if not mine:
@@ -174,6 +167,7 @@ class FaultInjectionSession:
             self._incidents.append((incident, mine))
             for spec in mine:
                 try:
+                    self._resolve(incident, spec)
                     check = getattr(self.executor, "check", None)
                     if check is not None:
                         check(spec)
@@ -182,9 +176,6 @@ class FaultInjectionSession:
                         raise
                     self._unsupported[spec.fault_id] = exc.reason
                     logger.warning("%s (it will be recorded as unsupported)", exc)
-                if spec.target.module_path is not None:
-                    self._modules[spec.fault_id] = _resolve_module(model, spec.target.module_path,
-                                                                   spec.fault_id)
         self._wall_origin: Optional[float] = None
         self._last_wall_tick = -1
         if campaign.clock.type is ClockType.WALL_CLOCK:
@@ -223,8 +214,10 @@ class FaultInjectionSession:
         return tuple(a.occurrence_id for a in self._activations.values() if a.any_live(self._iteration))
 
     def advance(self) -> None:
-        """Mark an iteration boundary by hand (only for optimizers that are not a
-        torch.optim.Optimizer; the optimizer hook calls this for you)."""
+        """Mark an iteration boundary by hand (only when the session was given no optimizer; the
+        framework's step calls this for you)."""
+        if self._closed:
+            return
         self._finish_stale_state()
         self._iteration += 1
         self._expire()
@@ -243,7 +236,7 @@ class FaultInjectionSession:
             if act.claimed is None:
                 self._release(act)
             else:
-                self._retire(act)
+                self._retire(act, "reset")
         self._activations.clear()
         self._iteration = completed_steps + 1
         self._arm()
@@ -271,10 +264,14 @@ class FaultInjectionSession:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for act in self._activations.values():
-            if act.claimed is None:
-                self._release(act)
-        self._activations.clear()
+        try:
+            for act in self._activations.values():
+                if act.claimed is None:
+                    self._release(act)
+                else:
+                    self._deactivate(act, "closed")
+        finally:
+            self._activations.clear()
         if self._own_sandbox and self._sandbox_root is not None:
             shutil.rmtree(self._sandbox_root, ignore_errors=True)
 
@@ -288,29 +285,91 @@ class FaultInjectionSession:
         return (f"FaultInjectionSession(campaign={self.campaign.name!r}, rank={self._rank}, "
                 f"iteration={self._iteration}, active={list(self.active_occurrences)})")
 
+    # ------------------------------------------------------------------ targets
+
+    def _resolve(self, incident: FaultIncident, spec: FaultSpec) -> None:
+        """Find the modules `spec` targets and refuse what cannot be scheduled: a `matching_calls`
+        lifetime over several candidate modules (whose calls would it count?) and a gradient fault
+        on parameters that are all frozen (they never get one)."""
+        path = spec.target.module_path
+        if path is None:
+            candidates = [("", self._root)]
+        else:
+            candidates = resolve_modules(self.binding.parts, path, spec.fault_id)
+        names = [name or "(the model)" for name, _ in candidates]
+        if len(candidates) > 1 and incident.lifetime.matching_calls is not None:
+            raise UnsupportedFaultError(spec.fault_id, f"module_path {path!r} names {len(candidates)} candidates "
+                                                       f"({', '.join(names)}) and a matching_calls lifetime counts "
+                                                       f"the calls of one: name one of them (a model part is "
+                                                       f"prefixed by its index) or give an iterations or permanent "
+                                                       f"lifetime")
+        unique = tuple({id(m): m for _, m in candidates}.values())
+        self._hooked[spec.fault_id] = unique
+        if path is not None:
+            # Several candidates: the state faults see them as one module (parts "0", "1", ...).
+            self._modules[spec.fault_id] = unique[0] if len(unique) == 1 else torch.nn.ModuleList(unique)
+        if spec.target.surface is U.GRADIENT:
+            wanted = spec.parameters.get("parameter")
+            scope = self._modules.get(spec.fault_id, self._root)
+            targeted = [(n, p) for n, p in scope.named_parameters() if wanted is None or n == wanted]
+            if targeted and not any(p.requires_grad for _, p in targeted):
+                raise UnsupportedFaultError(spec.fault_id, f"every parameter it targets in {', '.join(names)} "
+                                                           f"({', '.join(n for n, _ in targeted[:8])}) is frozen "
+                                                           f"(requires_grad=False), so it never has a gradient; "
+                                                           f"target a trainable parameter")
+
+    # ------------------------------------------------------------------ manifest identity
+
+    def _bind_manifest(self) -> None:
+        """Bind the state store (and check the journal) to this manifest. A store or journal of
+        another manifest under the same name would mark its faults `already_claimed` (never
+        injected) and mix its records into this ground truth: refused."""
+        mine = {"name": self.campaign.name, "digest": self._digest}
+        fix = ("Give the changed manifest a new state store and journal (or a new name), or restore the "
+               "manifest they were started with.")
+        state = self.state_store.load()
+        if MANIFEST_KEY not in state.get("values", {}) and state.get("claims"):
+            raise CampaignIdentityError(
+                f"enable_fault_injection: campaign state store {self.state_store!r} holds claims "
+                f"{sorted(state['claims'])[:4]} but no record of the manifest that made them (an older release "
+                f"or a hand-written state); they cannot be matched to campaign {self.campaign.name!r} "
+                f"({self._digest}). {fix}")
+        bound = state_setdefault(self.state_store, MANIFEST_KEY, mine)
+        if bound != mine:
+            raise CampaignIdentityError(
+                f"enable_fault_injection: campaign state store {self.state_store!r} belongs to campaign "
+                f"{bound.get('name')!r} with manifest {bound.get('digest')}, not campaign {self.campaign.name!r} "
+                f"with manifest {self._digest}: the manifest changed under its name, and its claims would "
+                f"record the changed faults as already_claimed and never inject them. {fix}")
+        foreign = sorted({r.campaign_digest or "(none recorded)" for r in self.journal.records()
+                          if r.campaign_digest != self._digest})
+        if foreign:
+            raise CampaignIdentityError(
+                f"enable_fault_injection: campaign journal {self.journal!r} holds records of manifest(s) "
+                f"{foreign}, not of campaign {self.campaign.name!r} ({self._digest}); scoring would mix their "
+                f"ground truth with this one's. {fix}")
+
     # ------------------------------------------------------------------ hooks
 
     def _install_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+        for part in self.binding.parts:
+            self._handles.append(part.register_forward_pre_hook(self._on_root_forward, prepend=True))
         outputs: Dict[int, torch.nn.Module] = {}
         inputs: Dict[int, torch.nn.Module] = {}
         for _, specs in self._incidents:
             for spec in specs:
-                module = self._modules.get(spec.fault_id)
-                if spec.target.surface is U.OUTPUT:
-                    outputs[id(module)] = module
-                elif spec.target.surface is U.INPUT:
-                    inputs[id(module)] = module
+                for module in self._hooked.get(spec.fault_id, ()):
+                    if spec.target.surface is U.OUTPUT:
+                        outputs[id(module)] = module
+                    elif spec.target.surface is U.INPUT:
+                        inputs[id(module)] = module
         for module in outputs.values():
             self._handles.append(module.register_forward_hook(self._on_output))
         for module in inputs.values():
             self._handles.append(module.register_forward_pre_hook(self._on_input))
-        if self.optimizer is not None:
-            if not hasattr(self.optimizer, "register_step_post_hook"):
-                raise TypeError(f"enable_fault_injection: {type(self.optimizer).__name__} has no step hooks; "
-                                "pass optimizer=None and call session.advance() after each step")
-            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
-            self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
+        if self.binding.clock is not None:
+            remove = self.binding.clock.install(self._on_pre_step, self.advance, self._on_skipped_step)
+            self._handles.append(_Removal(remove))
 
     def _live(self, predicate) -> List[Tuple[_Activation, FaultSpec]]:
         out = []
@@ -323,6 +382,12 @@ class FaultInjectionSession:
     def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if self._closed or not self._pending_start:
             return None
+        running = self.binding.clock.iteration() if self.binding.clock is not None else None
+        if running is not None and running != self._iteration:
+            # The framework's own counter moved (a checkpoint it loaded): the clock follows it.
+            logger.info("fault campaign %s: the %s step says iteration %d, not %d; following it",
+                        self.campaign.name, self.binding.framework, running, self._iteration)
+            self.set_iteration(running - 1)
         self._pending_start = False
         for act, spec in self._live(self._starts_iteration):
             self._run(act, spec, "iteration_start", module=self._modules.get(spec.fault_id))
@@ -339,7 +404,7 @@ class FaultInjectionSession:
             return None
         changed = False
         for act, spec in self._live(lambda s: s.target.surface is U.OUTPUT
-                                    and self._modules.get(s.fault_id) is module):
+                                    and module in self._hooked.get(s.fault_id, ())):
             value = self._run(act, spec, "forward", value=output, module=module)
             if value is not UNCHANGED:
                 output, changed = value, True
@@ -350,13 +415,13 @@ class FaultInjectionSession:
             return None
         changed = False
         for act, spec in self._live(lambda s: s.target.surface is U.INPUT
-                                    and self._modules.get(s.fault_id) is module):
+                                    and module in self._hooked.get(s.fault_id, ())):
             value = self._run(act, spec, "forward_pre", value=args, module=module)
             if value is not UNCHANGED:
                 args, changed = tuple(value), True
         return args if changed else None
 
-    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_pre_step(self) -> None:
         if self._closed:
             return None
         for act, spec in self._live(lambda s: s.type is FailureType.STALE_STATE or (
@@ -366,11 +431,10 @@ class FaultInjectionSession:
                 act.staged.add(spec.fault_id)
         return None
 
-    def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
-            return None
-        self.advance()
-        return None
+    def _on_skipped_step(self) -> None:
+        """The framework skipped the update (an overflow): the iteration runs again, uncounted."""
+        if not self._closed:
+            self._finish_stale_state()
 
     def _finish_stale_state(self) -> None:
         for act in list(self._activations.values()):
@@ -414,7 +478,7 @@ class FaultInjectionSession:
                 continue
             previous = self._activations.pop(incident.incident_id, None)
             if previous is not None:
-                self._retire(previous)
+                self._retire(previous, "replaced")
             for spec in specs:
                 if spec.fault_id in self._unsupported:
                     act.dead.add(spec.fault_id)
@@ -428,7 +492,7 @@ class FaultInjectionSession:
         for incident_id, act in list(self._activations.items()):
             if not act.any_live(self._iteration):
                 del self._activations[incident_id]
-                self._retire(act)
+                self._retire(act, "expired")
 
     def _release(self, act: _Activation) -> None:
         """Journal an occurrence dropped before any of its faults ran; it stays unclaimed."""
@@ -437,12 +501,44 @@ class FaultInjectionSession:
                 self._record(act, spec, InjectionStatus.ARMED, 0, {"claim": act.claim_key},
                              "released before any matching call; not claimed")
 
-    def _retire(self, act: _Activation) -> None:
+    def _retire(self, act: _Activation, reason: str) -> None:
         for spec in act.faults:
             if act.calls.get(spec.fault_id, 0) == 0 and spec.fault_id not in act.dead:
                 self._record(act, spec, InjectionStatus.EXPIRED, 0, {},
                              "the lifetime ended before any matching call")
-        act.contexts.clear()
+        self._deactivate(act, reason)
+
+    def _deactivate(self, act: _Activation, reason: str) -> None:
+        """The occurrence ended (`reason`): the executor undoes what it started (a held or
+        bounded state fault, a partition a custom executor opened), journaled as DEACTIVATED."""
+        try:
+            for spec in act.faults:
+                if spec.fault_id not in act.started:
+                    continue
+                request = FaultExecutionRequest(
+                    spec=spec, occurrence_id=act.occurrence_id, incident_id=act.incident.incident_id,
+                    rank=self._rank, world_size=self._world_size, tick=act.tick, iteration=self._iteration,
+                    call_index=act.calls.get(spec.fault_id, 0), seed=derive_seed(self.campaign.seed,
+                                                                                 act.occurrence_id, spec.fault_id),
+                    phase="deactivate", module=self._modules.get(spec.fault_id), model=self._root,
+                    optimizer=self.optimizer, context=act.contexts.setdefault(spec.fault_id, {}), reason=reason)
+                deactivate = getattr(self.executor, "deactivate", None)
+                try:
+                    result = deactivate(request) if deactivate is not None else None
+                except Exception as exc:
+                    self._record(act, spec, InjectionStatus.FAILED, request.call_index, {},
+                                 f"deactivation ({reason}) failed: {type(exc).__name__}: {exc}")
+                    logger.error("fault %s (%s): undoing its effect (%s) failed on rank %d: %s", act.occurrence_id,
+                                 spec.fault_id, reason, self._rank, exc)
+                    if self.strict:
+                        raise
+                    continue
+                if result is not None:
+                    self._record(act, spec, InjectionStatus.DEACTIVATED, request.call_index, result.evidence,
+                                 result.detail or f"deactivated ({reason})")
+        finally:
+            act.started.clear()
+            act.contexts.clear()
 
     # ------------------------------------------------------------------ execution
 
@@ -492,10 +588,11 @@ class FaultInjectionSession:
             rank=self._rank, world_size=self._world_size, tick=act.tick, iteration=self._iteration,
             call_index=call_index, seed=derive_seed(self.campaign.seed, act.occurrence_id, spec.fault_id,
                                                     call_index),
-            phase=phase, value=value, module=module, model=self.model, optimizer=self.optimizer,
+            phase=phase, value=value, module=module, model=self._root, optimizer=self.optimizer,
             sandbox_dir=(self._sandbox(act) if spec.safety_class is SafetyClass.SANDBOXED_DESTRUCTIVE
                          else None),
             context=context, fetch=fetch, commit=commit)
+        act.started.add(spec.fault_id)
         try:
             result = self.executor.execute(request)
         except UnsupportedFaultError as exc:
@@ -528,12 +625,20 @@ class FaultInjectionSession:
             tick=act.tick, iteration=self._iteration, wall_time=time.time(),
             surface=spec.target.surface, module_path=spec.target.module_path, call_index=call_index,
             world_size=self._world_size, generation=self.generation, host=self._host,
-            pid=os.getpid(), evidence=dict(evidence), detail=detail)
+            pid=os.getpid(), evidence=dict(evidence), detail=detail, resource=spec.target.resource,
+            component=spec.target.component, campaign_digest=self._digest)
         self._records.append(record)
         self.journal.append(record)
         if status is InjectionStatus.INJECTED:
             logger.info("injected %s (%s, %s) on rank %d at iteration %d", act.occurrence_id, spec.fault_id,
                         spec.type.value, self._rank, self._iteration)
+
+
+class _Removal:
+    """A handle that undoes a clock's installation, removed with the hooks."""
+
+    def __init__(self, remove: Any) -> None:
+        self.remove = remove
 
 
 class _FaultyLoader:
@@ -571,7 +676,7 @@ class _FaultyLoader:
                 yield from value
 
 
-def enable_fault_injection(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], *,
+def enable_fault_injection(model: Any, optimizer: Any = None, *,
                            campaign: FaultCampaign, rank: Optional[int] = None,
                            executor: Optional[FaultExecutor] = None,
                            state_store: Optional[CampaignStateStore] = None,
@@ -579,14 +684,19 @@ def enable_fault_injection(model: torch.nn.Module, optimizer: Optional[torch.opt
                            world_size: Optional[int] = None, start_iteration: Optional[int] = None,
                            generation: Optional[str] = None, sandbox_dir: Optional[str] = None,
                            strict: bool = True) -> FaultInjectionSession:
-    """Attach `campaign` to `model` and `optimizer` with hooks; returns the session.
+    """Attach `campaign` to the training objects with hooks; returns the session.
 
-    `rank`/`world_size` default to the default process group (or RANK/WORLD_SIZE, else 0/1).
-    `executor` defaults to `LocalFaultExecutor()`; `state_store` to an in-process store (use
-    `JsonCampaignStateStore` so restarted workers do not re-inject); `journal` to an in-memory
-    one (use a path shared by the ranks to evaluate them together). `start_iteration` is the
-    number of optimizer steps already completed (default: $LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP
-    or 0). `generation` names this worker generation for EVERY_GENERATION incidents (default:
+    `model` is a `torch.nn.Module` with its `optimizer` (None: call `advance()` after each
+    step), Megatron Core's model chunks (a list) with its `MegatronOptimizer`, a DeepSpeed engine
+    alone, or a TorchTitan `Trainer` alone; the campaign clock follows that framework's own step
+    (`lm_resiliency.faults.binding`). `rank`/`world_size` default to the default process group
+    (or RANK/WORLD_SIZE, else 0/1). `executor` defaults to `LocalFaultExecutor()`;
+    `state_store` to an in-process store (use `JsonCampaignStateStore` so restarted workers do
+    not re-inject); `journal` to an in-memory one (use a path shared by the ranks to evaluate
+    them together). `start_iteration` is the number of optimizer steps already completed
+    (default: the framework's own counter, `engine.global_steps` or `trainer.step`, else
+    $LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP or 0; for Megatron pass `args.iteration`).
+    `generation` names this worker generation for EVERY_GENERATION incidents (default:
     $TORCHELASTIC_RESTART_COUNT, else this process). Destructive faults work in `sandbox_dir`
     (default: a temporary directory removed at close). With `strict` (default) a fault the
     executor cannot perform here fails at attach, and an executor error is raised; otherwise

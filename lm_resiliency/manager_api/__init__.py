@@ -8,15 +8,10 @@ replacement node, keyed, checksummed per chunk and bounded by timeouts; docs/gem
 """
 
 from lm_resiliency.manager_api.drift import find_drift, format_drift, local_fingerprint
-from lm_resiliency.manager_api.health import (
-    HardwareHealthMonitor,
-    HealthConfig,
-    HealthEvent,
-    HealthReading,
-    HealthSeverity,
-    HealthSource,
-    NvmlSource,
-)
+from lm_resiliency.manager_api.health import HardwareHealthMonitor, HealthSource
+from lm_resiliency.manager_api.health_policy import HealthConfig
+from lm_resiliency.manager_api.health_reading import HealthEvent, HealthReading, HealthSeverity
+from lm_resiliency.manager_api.nvml import NvmlSource
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, RestartDestinationResolver, dispatch_replay_faults
 from lm_resiliency.manager_api.transfer import (
     CheckpointTransfer,

@@ -14,10 +14,17 @@ from lm_resiliency.scout.moe_workload import ReplayWorkload
 # correctness one: by default it runs at every 5th check, which keeps its amortized cost a fifth
 # of what it was while confirming a slow endpoint within 2 x 5 checks (confirmation rounds x 5).
 PROBE_EVERY_CHECKS = 5
+# The dense check classes, each with its own `*_check_interval`.
+CHECK_CLASSES = ("embedding", "hidden", "output", "optimizer")
 
 
 def _positive_int_or_none(value: Any) -> bool:
     return value is None or (is_int(value) and value >= 1)
+
+
+def _steps_or_none(value: Any) -> bool:
+    """None (inherit), 0 (off) or a positive number of optimizer steps."""
+    return value is None or (is_int(value) and value >= 0)
 
 
 @dataclass(frozen=True)
@@ -25,9 +32,15 @@ class ReplayHarnessConfig:
     """SCOUT replay, straggler and out-of-band monitor settings (see docs/scout.md).
 
     `check_interval` is the base cadence in optimizer steps; each `*_check_interval` left at
-    None inherits it. The top-level `enable_resiliency(interval=...)` overrides the base.
+    None inherits it. The top-level `enable_resiliency(interval=...)` overrides a positive base.
+    0 switches replay off: ``check_interval=0`` turns periodic replay off (every check class
+    left at None, the workload and AllToAll replay; the out-of-band hang and stall monitor stays
+    on, and a class given its own positive interval still runs), ``output_check_interval=0``
+    (or any other class at 0) turns that one check class off. The top-level `interval` never
+    turns replay back on.
     `communication_probe_interval` is the cadence of the collective straggler probe, which runs
-    at a check step that is a multiple of it; None means PROBE_EVERY_CHECKS x `check_interval`.
+    at a check step that is a multiple of it; None means PROBE_EVERY_CHECKS x `check_interval`,
+    0 turns it off.
     """
 
     check_interval: int = 10
@@ -61,11 +74,12 @@ class ReplayHarnessConfig:
             if not ok:
                 raise ConfigError(f"{name}.{field}: {message}, got {getattr(self, field)!r}")
 
-        require(_positive_int_or_none(self.check_interval) and self.check_interval is not None,
-                "check_interval", "must be a positive integer number of optimizer steps")
+        require(is_int(self.check_interval) and self.check_interval >= 0, "check_interval",
+                "must be a non-negative integer number of optimizer steps (0: periodic replay off)")
         for field in ("embedding_check_interval", "hidden_check_interval", "output_check_interval",
                       "optimizer_check_interval", "communication_probe_interval"):
-            require(_positive_int_or_none(getattr(self, field)), field, "must be None or a positive integer")
+            require(_steps_or_none(getattr(self, field)), field,
+                    "must be None (inherit check_interval), 0 (off) or a positive integer")
         for field in ("rotate_layers", "capture_inputs_by_value"):
             require(isinstance(getattr(self, field), bool), field, "must be True or False")
         require(_positive_int_or_none(self.optimizer_check_max_elements), "optimizer_check_max_elements",
@@ -90,13 +104,32 @@ class ReplayHarnessConfig:
                 "all_to_all_policy", "must be None (AllToAll replay off) or an AllToAllReplayPolicy")
 
     def interval_for(self, check: str) -> int:
-        """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer'."""
+        """The cadence of one check class: 'embedding', 'hidden', 'output' or 'optimizer' (0: off)."""
         specific = getattr(self, f"{check}_check_interval")
         return specific if specific is not None else self.check_interval
 
+    def due(self, check: str, step: int) -> bool:
+        """Whether check class `check` is scheduled at optimizer step `step`."""
+        interval = self.interval_for(check)
+        return interval > 0 and step % interval == 0
+
+    @property
+    def replay_enabled(self) -> bool:
+        """Some replay runs periodically: a check class, or the workload's base cadence."""
+        return self.check_interval > 0 or any(self.interval_for(c) > 0 for c in CHECK_CLASSES)
+
+    @property
+    def round_interval(self) -> int:
+        """The cadence that numbers replay rounds (AllToAll matrices): `check_interval`, or with
+        periodic replay off, the finest class that still runs (0: none does)."""
+        if self.check_interval > 0:
+            return self.check_interval
+        return min((self.interval_for(c) for c in CHECK_CLASSES if self.interval_for(c) > 0), default=0)
+
     @property
     def probe_interval(self) -> int:
-        """The collective probe's cadence in optimizer steps (see `communication_probe_interval`)."""
+        """The collective probe's cadence in optimizer steps (see `communication_probe_interval`;
+        0: off)."""
         if self.communication_probe_interval is not None:
             return self.communication_probe_interval
         return PROBE_EVERY_CHECKS * self.check_interval

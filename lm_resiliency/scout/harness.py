@@ -118,19 +118,24 @@ class ScoutHarness:
         hosts = self._hosts(distributed, bound)
         group_ranks = [self.rank]
         replay_group = None
-        try:
-            if peer_group is not None:
-                # The caller's group (Gloo, created on every rank): its ranks replace the topology's.
-                replay_group, group_ranks = peer_group, dist.get_process_group_ranks(peer_group)
-                peer_groups = [group_ranks]
-            else:
-                peer_groups = peer_groups_from_topology(dict(topology) if topology else {}, self.world_size,
-                                                        _parameter_mesh(model))
-        except UnknownLayoutError as exc:
-            # Every rank sees the same layout, so every rank skips the group creation below alike.
-            peer_groups = None
-            logger.warning("SCOUT: replay checks, replay-timed stragglers and checkpoint certification are off: "
-                           "%s (the out-of-band hang/stall monitor stays on)", exc)
+        peer_groups: Optional[List[List[int]]] = None
+        if not config.replay_enabled:
+            logger.info("SCOUT: periodic replay is off (check_interval=0 and no check class has an interval of its "
+                        "own): no replay checks, replay-timed stragglers or checkpoint certification; the "
+                        "out-of-band hang/stall monitor stays on")
+        else:
+            try:
+                if peer_group is not None:
+                    # The caller's group (Gloo, created on every rank): its ranks replace the topology's.
+                    replay_group, group_ranks = peer_group, dist.get_process_group_ranks(peer_group)
+                    peer_groups = [group_ranks]
+                else:
+                    peer_groups = peer_groups_from_topology(dict(topology) if topology else {}, self.world_size,
+                                                            _parameter_mesh(model))
+            except UnknownLayoutError as exc:
+                # Every rank sees the same layout, so every rank skips the group creation below alike.
+                logger.warning("SCOUT: replay checks, replay-timed stragglers and checkpoint certification are off: "
+                               "%s (the out-of-band hang/stall monitor stays on)", exc)
         if self.world_size > 1 and peer_groups is not None and peer_group is None:
             for ranks in peer_groups:
                 created = wire.new_group(ranks, bound, "SCOUT's replay peer group")
@@ -163,7 +168,7 @@ class ScoutHarness:
         self._all_to_all: Optional[AllToAllReplayer] = None
         self._all_to_all_recorder: Optional[AllToAllRecorder] = None
         self.all_to_all_links = CommunicationStragglerLocalizer(config, hosts, measure="all_to_all_replay")
-        if distributed and self.world_size > 1 and config.all_to_all_policy is not None:
+        if distributed and self.world_size > 1 and config.all_to_all_policy is not None and config.replay_enabled:
             exchange = wire.new_group(None, bound, "SCOUT's AllToAll replay exchange")
             self._groups.append(exchange)
             self._all_to_all = AllToAllReplayer(config.all_to_all_policy, exchange, bound)
@@ -198,7 +203,7 @@ class ScoutHarness:
         """The `ReplayHarnessConfig.workload` detector on its peer groups (expert-data-parallel for
         an expert workload); None without a workload or when the layout is unknown (warned)."""
         workload = self.config.workload
-        if workload is None:
+        if workload is None or self.config.check_interval == 0:   # it follows the base cadence: off at 0
             return None
         try:
             groups = workload_peer_groups(workload, dict(topology) if topology else {}, self.world_size,
@@ -288,7 +293,7 @@ class ScoutHarness:
         findings = []
         if self._all_to_all is not None:
             with self._own_section("scout_all_to_all", step):
-                routing, latencies = self._all_to_all.run(step, step // self.config.check_interval, calls)
+                routing, latencies = self._all_to_all.run(step, step // self.config.round_interval, calls)
             result = ReplayResult(step, result.checks + tuple(routing))
             findings += self.all_to_all_links.observe(latencies)
         checks = list(result.checks)
@@ -301,7 +306,7 @@ class ScoutHarness:
                 found, origin = self._rank_work_round()
             findings += found
             checks += origin
-        if self._probe is not None and step % self.config.probe_interval == 0:
+        if self._probe is not None and self.config.probe_interval > 0 and step % self.config.probe_interval == 0:
             with self._own_section("scout_probe", step):
                 findings += self.communication.observe(self._probe.measure())
         return ReplayResult(step, tuple(checks), tuple(findings))

@@ -125,7 +125,8 @@ class WorkloadReplayDetector(ReplayDetector):
     def checks_due(self, step: int) -> List[str]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ValueError(f"step must be a positive int (optimizer steps counted from 1), got {step!r}")
-        return [EXPERT_CHECK] if step % self.config.check_interval == 0 and self._entries else []
+        interval = self.config.check_interval   # 0: periodic replay off
+        return [EXPERT_CHECK] if interval > 0 and step % interval == 0 and self._entries else []
 
     def _round(self, check: str, step: int) -> int:
         return step // self.config.check_interval

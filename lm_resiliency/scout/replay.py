@@ -50,7 +50,7 @@ from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
-from lm_resiliency.scout.config import ReplayHarnessConfig
+from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
 from lm_resiliency.scout.invocation import (
     Autocast,
     SeededRng,
@@ -72,7 +72,7 @@ from lm_resiliency.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-CHECKS = ("embedding", "hidden", "output", "optimizer")
+CHECKS = CHECK_CLASSES
 ACTIVATION_CHECKS = ("embedding", "hidden", "output")
 ERROR_SIGNATURE = "error"
 _HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason", "live"}
@@ -354,7 +354,7 @@ class ReplayDetector:
     def checks_due(self, step: int) -> List[str]:
         """The check classes scheduled at optimizer step `step` (counted from 1)."""
         _check_step(step)
-        return [c for c in CHECKS if step % self.config.interval_for(c) == 0 and self._available(c)]
+        return [c for c in CHECKS if self.config.due(c, step) and self._available(c)]
 
     def _round(self, check: str, step: int) -> int:
         """How many times `check` has been scheduled up to `step` (1 at its first check)."""
@@ -380,7 +380,7 @@ class ReplayDetector:
         `steps`: optimizer steps that takes (each class at its own interval); `uncovered`:
         names of parameters no check reaches."""
         rotations = {c: (self._candidates(c) if self._rotates(c) else self._candidates(c)[:1])
-                     for c in ACTIVATION_CHECKS}
+                     for c in ACTIVATION_CHECKS if self.config.interval_for(c) > 0}   # a class at 0 is off
         covered = {id(p) for modules in rotations.values() for _, m in modules for p in m.parameters()}
         params = list(self._root.named_parameters())
         total_bytes = sum(_local(p).numel() * p.element_size() for _, p in params)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from lm_resiliency.payload import Payload
 
 # Report kinds and scopes (strings, so reports stay JSON-ready).
 SDC = "sdc"
@@ -21,24 +23,40 @@ NON_FINITE_CHECK = "gradients"
 SCOPE_RANK, SCOPE_PEER_GROUP, SCOPE_NODE, SCOPE_LINK, SCOPE_GPU = "rank", "peer_group", "node", "link", "gpu"
 
 
-@dataclass(frozen=True)
-class SCOUTFaultReport:
-    """One localized fault. `to_json()` is what orchestration receives."""
+class SCOUTFaultReport(Payload):
+    """One localized fault, JSON-ready: a read-only dict (``json.dumps(report)``,
+    ``report["ranks"]``) whose fields also read as attributes (`ranks` and `hosts` as tuples).
+
+    kind: what was found (`SDC`, `HANG`, `COMPUTE_STRAGGLER`, ...).
+    scope: what it is pinned on: "rank", "gpu", "node", "link" or "peer_group" (detected, no
+        single rank blamed).
+    ranks: the global ranks it names; hosts: their host names, in the same order.
+    resource: where ("output:layers.2", "barrier(group=[2,3])", "dataloader:train", ...).
+    evidence: the JSON evidence behind it (signatures, timings, rules).
+    confidence: 0..1. step: the optimizer step it was found at, if known.
+    detected_at: wall-clock time of detection (seconds since the epoch).
+    """
+
+    __slots__ = ()
+    _FIELDS = ("kind", "scope", "ranks", "hosts", "resource", "evidence", "confidence", "step", "detected_at")
+    _ATTRS = {"ranks": tuple, "hosts": tuple}
 
     kind: str
     scope: str
     ranks: Tuple[int, ...]
-    hosts: Tuple[str, ...] = ()
-    resource: str = ""
-    evidence: Dict[str, Any] = field(default_factory=dict)
-    confidence: float = 1.0
-    step: Optional[int] = None
-    detected_at: float = field(default_factory=time.time)
+    hosts: Tuple[str, ...]
+    resource: str
+    evidence: Dict[str, Any]
+    confidence: float
+    step: Optional[int]
+    detected_at: float
 
-    def to_json(self) -> dict:
-        doc = asdict(self)
-        doc["ranks"], doc["hosts"] = list(self.ranks), list(self.hosts)
-        return doc
+    def __init__(self, kind: str, scope: str, ranks: Sequence[int], hosts: Sequence[str] = (), resource: str = "",
+                 evidence: Optional[Dict[str, Any]] = None, confidence: float = 1.0, step: Optional[int] = None,
+                 detected_at: Optional[float] = None) -> None:
+        self._init(kind=kind, scope=scope, ranks=tuple(ranks), hosts=tuple(hosts), resource=resource,
+                   evidence=dict(evidence or {}), confidence=float(confidence), step=step,
+                   detected_at=time.time() if detected_at is None else float(detected_at))
 
 
 SCOUTFaultCallback = Callable[[SCOUTFaultReport], None]

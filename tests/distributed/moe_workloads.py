@@ -175,7 +175,8 @@ def recovery_sweep(rank: int, world: int, fault_rank: Optional[int]) -> tuple:
     decisions: list = []
 
     def prepare(session: Any) -> None:
-        decision = session.prepare_recovery("hang", all_ranks_accessible=True)
+        session.prepare_recovery("hang", all_ranks_accessible=True)
+        decision = session.last_recovery_decision
         result = session.last_replay_result if "SDC" in decision.reason else None
         decisions.append((decision.mode, decision.reason, result))
     train(rank, world, 2, 4, CONFIG, catalog=CATALOG, at_end=prepare,

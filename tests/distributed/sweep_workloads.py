@@ -7,12 +7,13 @@ recovery calls. What each rank saw comes back as plain JSON-ready data.
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 import torch.distributed as dist
 
-from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency import InMemoryCkptConfig, RecoveryMode, ReplayHarnessConfig, enable_resiliency
 from lm_resiliency.scout.signature import structure_signature
 from tests.distributed.scout_workloads import make_model, recording_hooks, sign_flip
 
@@ -71,11 +72,11 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
             time.sleep(0.1)
     else:
         if scenario == "rank_local" and rank == 0:
-            decisions.append(session.prepare_recovery("straggler").to_json())
-            decisions.append(session.prepare_recovery("hang", all_ranks_accessible=False).to_json())
-        decisions.append(session.prepare_recovery("hang").to_json())
+            decisions.append(_decide(session, "straggler"))
+            decisions.append(_decide(session, "hang", all_ranks_accessible=False))
+        decisions.append(_decide(session, "hang"))
         if scenario in ("clean", "rank_local"):
-            decisions.append(session.prepare_recovery("uncertain").to_json())
+            decisions.append(_decide(session, "uncertain"))
         store.add(DONE_KEY, 1)
     persisted = (session.manager.store.read_status() or {}).get("trust", {})   # none before a boundary
     prefix = session.scout.sweep._prefix
@@ -92,6 +93,14 @@ def run(rank, world, folder, steps, scenario, fault_rank, timeout_s):
     return seen
 
 
+def _decide(session, failure, **kwargs):
+    """prepare_recovery's decision as orchestration receives it, checked against the mode it returns."""
+    mode = session.prepare_recovery(failure, **kwargs)
+    decision = session.last_recovery_decision
+    assert mode is RecoveryMode(decision["mode"]), (mode, decision)
+    return json.loads(json.dumps(decision, allow_nan=False))
+
+
 def sharded(rank, world, folder):
     """An FSDP2-sharded model trained past a check step; returns its prepare_recovery("hang")."""
     from tests.distributed.session_workloads import batch, build
@@ -104,6 +113,6 @@ def sharded(rank, world, folder):
         wrapped(batch(step, rank, features)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    decision = session.prepare_recovery("hang").to_json()
+    decision = _decide(session, "hang")
     session.close()
     return decision

@@ -125,7 +125,8 @@ def _final_norm(rank, world, folder, fault_rank):
     if rank == fault_rank:
         with torch.no_grad():
             model.norm.weight.view(torch.int32)[3] ^= 1 << 22
-    decision = session.prepare_recovery("hang").to_json()
+    session.prepare_recovery("hang")
+    decision = session.last_recovery_decision.to_json()
     swept = [path for _, path, _ in session.scout.sweep._modules]
     session.close()
     return decision, swept

@@ -303,7 +303,7 @@ def test_parameter_gradient_and_optimizer_state_corruption():
     train(model, optimizer, data[2:3])
     assert torch.isnan(model.layers[0].weight).all()  # NaN gradient applied by step 3
     train(model, optimizer, data[3:4])
-    records = {r.fault_id: r for r in faults.records}
+    records = {r.fault_id: r for r in faults.records if r.injected}
     assert records["param"].evidence["elements_changed"] == 4 and records["param"].iteration == 2
     assert records["grad"].evidence["elements_changed"] == 16 and records["grad"].iteration == 3
     assert records["opt"].status is InjectionStatus.INJECTED and records["opt"].iteration == 4
@@ -389,10 +389,16 @@ def test_config_drift_of_optimizer_and_environment(monkeypatch):
         FaultSpec("env", "config_drift", FaultTarget(0, surface="config"), {"env": "LMR_TEST_DRIFT", "value": 7}),
     )),))
     faults = enable_fault_injection(model, optimizer, campaign=campaign)
-    train(model, optimizer, batches(2))
-    assert optimizer.param_groups[0]["lr"] == 0.5 and os.environ["LMR_TEST_DRIFT"] == "7"
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append((optimizer.param_groups[0]["lr"],
+                                                         os.environ.get("LMR_TEST_DRIFT"))))
+    train(model, optimizer, batches(3))
+    # In effect during its window (iteration 2), set back when the window ends.
+    assert seen == [(0.05, None), (0.5, "7"), (0.05, None)]
     lr = next(r for r in faults.records if r.fault_id == "lr")
     assert lr.to_json()["evidence"]["groups"] == [{"param_group": 0, "before": 0.05, "after": 0.5}]
+    assert [(r.fault_id, r.status.value) for r in faults.records] == [
+        ("lr", "injected"), ("env", "injected"), ("lr", "deactivated"), ("env", "deactivated")]
 
 
 def test_resource_exhaustion_stays_in_the_sandbox(tmp_path):
@@ -400,19 +406,24 @@ def test_resource_exhaustion_stays_in_the_sandbox(tmp_path):
     campaign = one(FailureType.RESOURCE_EXHAUSTION, FaultSurface.STORAGE, {"resource": "disk", "bytes": 3000},
                    at=(1,))
     faults = enable_fault_injection(model, optimizer, campaign=campaign, sandbox_dir=str(tmp_path / "sb"))
-    train(model, optimizer, batches(1))
-    [record] = faults.records
-    path = record.evidence["path"]
-    assert path.startswith(str(tmp_path / "sb" / "rank-0")) and os.path.getsize(path) == 3000
+    sizes = []
+    model.register_forward_hook(lambda *_: sizes.append(sorted(
+        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(tmp_path / "sb") for f in files)))
+    train(model, optimizer, batches(2))
+    injected, released = faults.records
+    path = injected.evidence["path"]
+    assert path.startswith(str(tmp_path / "sb" / "rank-0")) and sizes == [[3000], []]
+    # The disk is full during the fault's window (iteration 1) and released when it ends.
+    assert released.status is InjectionStatus.DEACTIVATED and released.evidence["removed_files"] == (path,)
     faults.close()
-    assert os.path.exists(path)  # a caller-provided sandbox is left to the caller
+    assert os.path.isdir(os.path.dirname(path))  # a caller-provided sandbox is left to the caller
 
     model, optimizer = make_model()
     faults = enable_fault_injection(model, optimizer, campaign=campaign)  # session-owned sandbox
     train(model, optimizer, batches(1))
     path = faults.records[0].evidence["path"]
     faults.close()
-    assert not os.path.exists(path)
+    assert not os.path.exists(os.path.dirname(path))
 
 
 def test_unsupported_faults_fail_at_attach_or_are_recorded():

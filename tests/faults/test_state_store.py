@@ -128,5 +128,6 @@ def test_session_claims_through_a_custom_store():
     model, optimizer = make_model()
     faults = enable_fault_injection(model, optimizer, campaign=sdc_campaign(0, at=2), state_store=store)
     train(model, optimizer, batches(3))
-    assert store.swaps == 1 and list(store.claims()) == ["sdc@2/rank-0"]
+    # One swap binds the store to the manifest at attach, one claims the occurrence.
+    assert store.swaps == 2 and list(store.claims()) == ["sdc@2/rank-0"]
     assert faults.records[0].injected

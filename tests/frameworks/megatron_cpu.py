@@ -38,6 +38,7 @@ _MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",      # param and grad buffers
     "megatron.core.distributed.distributed_data_parallel",  # DDP buffers
     "megatron.core.optimizer.optimizer",                    # found_inf, scale tensors
+    "megatron.core.optimizer.grad_scaler",                  # a constant or dynamic loss scale
     "megatron.core.optimizer.clip_grads",                   # grad-norm reduction buffers
     "megatron.core.optimizer.distrib_optimizer",            # optimizer state shards
 )

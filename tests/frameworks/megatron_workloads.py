@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -15,10 +16,12 @@ from tests.frameworks import megatron_cpu
 VOCAB, SEQ, BATCH = 64, 8, 2
 
 
-def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = False, scheduler: bool = True):
+def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = False, scheduler: bool = True,
+          loss_scale: Optional[float] = None):
     """(model chunks, optimizer, scheduler) after initialize_model_parallel(tp); on CPU in fp32 with
     the CPU fixture, or with `cuda` in bf16 on the rank's GPU as Megatron runs in production.
-    Without `scheduler`, None for it."""
+    Without `scheduler`, None for it. `loss_scale` (with the distributed optimizer): Megatron's
+    constant grad scaler, which checks the gradients for inf/NaN and skips such updates."""
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
@@ -45,7 +48,7 @@ def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = F
     chunks = [DistributedDataParallel(config, ddp_config, model)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=0.05,
-                        use_distributed_optimizer=distributed_optimizer, **precision), chunks)
+                        use_distributed_optimizer=distributed_optimizer, loss_scale=loss_scale, **precision), chunks)
     if not scheduler:
         return chunks, optimizer, None
     return chunks, optimizer, OptimizerParamScheduler(
@@ -53,8 +56,9 @@ def setup(tp: int, distributed_optimizer: bool, seed: int = 1234, cuda: bool = F
         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=20, wd_incr_style="constant")
 
 
-def train_step(chunks, optimizer, scheduler, iteration: int) -> bool:
-    """One Megatron training iteration; data differs per data-parallel rank and iteration."""
+def train_step(chunks, optimizer, scheduler, iteration: int, poison: bool = False) -> bool:
+    """One Megatron training iteration; data differs per data-parallel rank and iteration. `poison`
+    makes the gradients non-finite (an fp16 overflow): a grad scaler skips the update."""
     from megatron.core import parallel_state
 
     generator = torch.Generator().manual_seed(1000 * iteration + parallel_state.get_data_parallel_rank())
@@ -65,11 +69,13 @@ def train_step(chunks, optimizer, scheduler, iteration: int) -> bool:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = chunks[0](tokens, positions, attention_mask=None, labels=tokens).float().mean()
+    if poison:
+        loss = loss * float("inf")
     loss.backward()
     for chunk in chunks:
         chunk.finish_grad_sync()
     update_successful, _, _ = optimizer.step()
-    if update_successful:
+    if update_successful and scheduler is not None:
         scheduler.step(increment=1)
     return update_successful
 

@@ -32,8 +32,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
                                 framework=FrameworkName.PYTORCH)
     assert_type(session, ResiliencySession)
     handle: ResiliencyHandle = session
-    decision = handle.prepare_recovery("node_lost")
-    assert_type(decision, RecoveryDecision)
+    mode = handle.prepare_recovery("node_lost")
+    assert_type(mode, RecoveryMode)
+    decision = session.last_recovery_decision
+    assert_type(decision, Optional[RecoveryDecision])
     step = session.recover()
     assert_type(step, Optional[int])
     session.close()

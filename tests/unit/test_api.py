@@ -165,11 +165,13 @@ def test_prepare_recovery_reports_decision_to_orchestration(tmp_path):
     optimizer.step()
     model(torch.ones(1, 4))
     session.manager.maybe_wait()
-    straggler = session.prepare_recovery("straggler", all_ranks_accessible=True)
+    assert session.prepare_recovery("straggler", all_ranks_accessible=True) is RecoveryMode.LATEST
+    straggler = session.last_recovery_decision
     assert (straggler.mode, straggler.step, straggler.source) == ("latest", 1, "memory")
-    hang = session.prepare_recovery("hang", all_ranks_accessible=True)
+    assert session.prepare_recovery("hang", all_ranks_accessible=True) is RecoveryMode.RECOVERY_VERIFIED
+    hang = session.last_recovery_decision
     assert hang.mode == "recovery_verified" and "no replay evidence" in hang.reason
-    assert seen == [straggler, hang] and session.last_recovery_decision is hang
+    assert seen == [straggler, hang]
     assert straggler.to_json()["mode"] == "latest"
     session.close()
 

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ FAST = HealthConfig(poll_interval_s=0.01)
 LOGGER = "lm_resiliency.manager_api.health"
 
 
-def reading(metric, severity, device="gpu-a", value=1, message="scripted"):
+def reading(metric, severity=None, device="gpu-a", value=1, message="scripted", limit=None):
     return HealthReading(source="scripted", device=device, metric=metric, value=value, severity=severity,
-                         message=message, time=1000.0)
+                         message=message, time=1000.0, limit=limit)
 
 
 class ScriptedSource(HealthSource):
@@ -81,7 +82,7 @@ def wait_for(event):
 
 def test_a_repeated_fatal_reading_is_one_event():
     events = []
-    source = ScriptedSource([reading("ecc_uncorrectable", HealthSeverity.FATAL, value=2)])
+    source = ScriptedSource([reading("ecc_uncorrectable", value=2)])
     with HardwareHealthMonitor(FAST, [source], on_event=events.append) as monitor:
         for _ in range(5):
             assert [r.metric for r in monitor.poll()] == ["ecc_uncorrectable"]
@@ -92,15 +93,16 @@ def test_a_repeated_fatal_reading_is_one_event():
     assert (event.device, event.metric, event.first_seen) == ("gpu-a", "ecc_uncorrectable", 1000.0)
     assert event.reading.value == 2 and event.reading.severity is HealthSeverity.FATAL
     assert monitor.events == (event,)
-    assert json.loads(json.dumps(event.to_json())) == {
+    assert json.loads(json.dumps(event, allow_nan=False)) == event == {
         "device": "gpu-a", "metric": "ecc_uncorrectable", "host": event.host, "first_seen": 1000.0,
         "reading": {"source": "scripted", "device": "gpu-a", "metric": "ecc_uncorrectable", "value": 2,
-                    "severity": "fatal", "message": "scripted", "time": 1000.0}}
+                    "severity": "fatal", "message": "2 uncorrectable ECC error(s) since the driver loaded; scripted",
+                    "time": 1000.0, "limit": None}}
 
 
 def test_the_poll_thread_delivers_one_event_over_many_polls():
     events = []
-    source = ScriptedSource([reading("row_remap_failure", HealthSeverity.FATAL)])
+    source = ScriptedSource([reading("row_remap_failure", value=True)])
     source.wanted_reads = 20
     monitor = HardwareHealthMonitor(FAST, [source], on_event=events.append)
     monitor.start()
@@ -114,9 +116,9 @@ def test_the_poll_thread_delivers_one_event_over_many_polls():
 def test_each_fatal_device_and_metric_pair_is_its_own_event():
     events = []
     source = ScriptedSource(
-        [reading("ecc_uncorrectable", "fatal")],
-        [reading("ecc_uncorrectable", "fatal"), reading("temperature", "fatal", value=92)],
-        [reading("temperature", "fatal", value=93), reading("temperature", "fatal", device="gpu-b")],
+        [reading("ecc_uncorrectable")],
+        [reading("ecc_uncorrectable"), reading("temperature", value=92, limit=95)],
+        [reading("temperature", value=93, limit=95), reading("temperature", value=1, limit=3, device="gpu-b")],
     )
     with HardwareHealthMonitor(FAST, [source], on_event=events.append) as monitor:
         for _ in range(4):
@@ -130,8 +132,8 @@ def test_each_fatal_device_and_metric_pair_is_its_own_event():
 
 def test_warnings_are_logged_when_they_start_and_never_reach_on_event(caplog):
     events = []
-    warn = reading("ecc_correctable", HealthSeverity.WARNING, message="3 new correctable ECC errors")
-    source = ScriptedSource([warn], [warn], [reading("ecc_correctable", HealthSeverity.OK)], [warn])
+    warn = reading("pcie_aer", HealthSeverity.WARNING, message="3 new correctable PCIe errors")
+    source = ScriptedSource([warn], [warn], [reading("pcie_aer", HealthSeverity.OK)], [warn])
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         with HardwareHealthMonitor(FAST, [source], on_event=events.append) as monitor:
             for _ in range(4):
@@ -139,8 +141,8 @@ def test_warnings_are_logged_when_they_start_and_never_reach_on_event(caplog):
     assert events == []
     logged = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # Once when it starts, not again while it persists, once more after it cleared and came back.
-    assert logged == ["hardware health warning: gpu-a ecc_correctable = 1 (scripted): "
-                      "3 new correctable ECC errors"] * 2
+    assert logged == ["hardware health warning: gpu-a pcie_aer = 1 (scripted): "
+                      "3 new correctable PCIe errors"] * 2
 
 
 # ---------------------------------------------------------------------------- failing sources and callbacks
@@ -149,14 +151,13 @@ def test_warnings_are_logged_when_they_start_and_never_reach_on_event(caplog):
 def test_a_raising_source_is_logged_once_and_the_others_keep_being_polled(caplog):
     events = []
     broken = ScriptedSource([], failing=3)
-    healthy = ScriptedSource([reading("nvlink_error_growth", "ok", value=0)],
-                             [reading("nvlink_error_growth", "fatal", value=7)])
+    healthy = ScriptedSource([reading("nvlink_errors", value=0)], [reading("nvlink_errors", value=7)])
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         with HardwareHealthMonitor(FAST, [broken, healthy], on_event=events.append) as monitor:
             for _ in range(5):
                 monitor.poll()
     assert (broken.reads, healthy.reads) == (5, 5)
-    assert [(e.metric, e.reading.value) for e in events] == [("nvlink_error_growth", 7)]
+    assert [(e.metric, e.reading.value) for e in events] == [("nvlink_errors", 7)]
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         "hardware health: source ScriptedSource failed; retrying every 0.01 s (repeat failures are logged "
@@ -186,7 +187,7 @@ def test_a_failing_on_event_is_logged_and_later_events_still_arrive(caplog):
         if event.metric == "temperature":
             raise RuntimeError("manager unreachable")
 
-    source = ScriptedSource([reading("temperature", "fatal")], [reading("device_lost", "fatal")])
+    source = ScriptedSource([reading("temperature", value=90, limit=92)], [reading("device_lost", value=True)])
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         with HardwareHealthMonitor(FAST, [source], on_event=on_event) as monitor:
             for _ in range(3):
@@ -200,7 +201,7 @@ def test_a_failing_on_event_is_logged_and_later_events_still_arrive(caplog):
 
 
 def test_close_joins_the_thread_closes_sources_once_and_is_idempotent():
-    source = ScriptedSource([reading("temperature", "ok", value=40)])
+    source = ScriptedSource([reading("temperature", value=40, limit=92)])
     monitor = HardwareHealthMonitor(FAST, [source], on_event=print)
     monitor.start()
     assert len(health_threads()) == 1
@@ -220,7 +221,7 @@ def test_close_joins_the_thread_closes_sources_once_and_is_idempotent():
 
 
 def test_close_inside_on_event_stops_the_monitor():
-    source = ScriptedSource([reading("device_lost", "fatal")])
+    source = ScriptedSource([reading("device_lost", value=True)])
     done = threading.Event()
     monitor = None
 
@@ -270,6 +271,108 @@ def test_enable_resiliency_does_not_start_a_health_monitor(tmp_path):
         session.close()
 
 
+# ---------------------------------------------------------------------------- the policy (HealthConfig)
+
+
+def _classify(config, *polls):
+    """(events, the classified readings of each poll) for scripted polls through one monitor."""
+    events = []
+    source = ScriptedSource(*polls)
+    with HardwareHealthMonitor(config, [source], on_event=events.append) as monitor:
+        seen = [monitor.poll() for _ in polls]
+    return events, seen
+
+
+def test_xid_79_is_fatal_13_is_a_logged_warning_and_unknown_codes_follow_xid_other(caplog):
+    polls = [[reading("xid", value=None)], [reading("xid", value=13)], [reading("xid", value=13)],
+             [reading("xid", value=200)], [reading("xid", value=79)], [reading("xid", value=79)]]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        events, seen = _classify(FAST, *polls)
+    assert [[r.severity.value for r in poll] for poll in seen] == [
+        ["ok"], ["warning"], ["warning"], ["warning"], ["fatal"], ["fatal"]]
+    assert [(e.metric, e.reading.value) for e in events] == [("xid", 79)]
+    assert events[0].reading.message == "XID 79 (GPU has fallen off the bus): fatal by HealthConfig.xid_fatal; scripted"
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    # Every XID is an event of its own: each one is logged, not only the first of a run.
+    assert warnings == [
+        "hardware health warning: gpu-a xid = 13 (scripted): XID 13 (graphics engine exception): a warning by "
+        "HealthConfig.xid_warning; scripted"] * 2 + [
+        "hardware health warning: gpu-a xid = 200 (scripted): XID 200 (not in the known XID catalog): "
+        "HealthConfig.xid_other is 'warning'; scripted"]
+    events, _ = _classify(HealthConfig(poll_interval_s=0.01, xid_fatal={13, 79}, xid_warning=(),
+                                       xid_other="fatal"), *polls)
+    assert [(e.metric, e.reading.value) for e in events] == [("xid", 13)]   # one event per (device, metric)
+
+
+def test_a_standard_reading_is_classified_by_the_monitor_whatever_its_source_said():
+    events, seen = _classify(FAST, [reading("xid", HealthSeverity.FATAL, value=13),
+                                    reading("ecc_uncorrectable", HealthSeverity.OK, value=3),
+                                    reading("pcie_aer", HealthSeverity.FATAL, value=1)])
+    assert [(r.metric, r.severity) for r in seen[0]] == [
+        ("xid", HealthSeverity.WARNING), ("ecc_uncorrectable", HealthSeverity.FATAL),
+        ("pcie_aer", HealthSeverity.FATAL)]   # a custom metric keeps its source's severity
+    assert [e.metric for e in events] == ["ecc_uncorrectable", "pcie_aer"]
+
+
+def test_ecc_and_row_remap_switches():
+    bad = [reading("ecc_uncorrectable", value=1), reading("ecc_correctable", value=0),
+           reading("row_remap_failure", value=True), reading("row_remap_pending", value=True)]
+    grown = [reading("ecc_uncorrectable", value=1), reading("ecc_correctable", value=4),
+             reading("row_remap_failure", value=True), reading("row_remap_pending", value=True)]
+    events, seen = _classify(FAST, bad, grown)
+    assert [[r.severity.value for r in poll] for poll in seen] == [
+        ["fatal", "ok", "fatal", "warning"], ["fatal", "warning", "fatal", "warning"]]
+    assert [e.metric for e in events] == ["ecc_uncorrectable", "row_remap_failure"]
+    quiet = HealthConfig(poll_interval_s=0.01, ecc_uncorrectable_fatal=False, ecc_correctable_warning=False,
+                         row_remap_failure_fatal=False, row_remap_pending_warning=False)
+    events, seen = _classify(quiet, bad, grown)
+    assert events == []
+    assert [[r.severity.value for r in poll] for poll in seen] == [
+        ["warning", "ok", "warning", "ok"], ["warning", "ok", "warning", "ok"]]
+
+
+def test_temperature_is_judged_against_the_readings_shutdown_limit():
+    polls = [[reading("temperature", value=c, limit=92)] for c in (70, 77, 86, 87)]
+    events, seen = _classify(HealthConfig(poll_interval_s=0.01, temperature_fatal_margin_c=5,
+                                          temperature_warning_margin_c=15), *polls)
+    assert [poll[0].severity.value for poll in seen] == ["ok", "warning", "warning", "fatal"]
+    assert events[0].reading.message == "87 C, 5 C below the 92 C shutdown temperature; scripted"
+
+
+def test_counters_are_judged_by_growth_per_device_and_a_reset_is_a_new_baseline():
+    def nvlink(total, device="gpu-a"):
+        return reading("nvlink_errors", value=total, device=device)
+
+    polls = [[nvlink(5), nvlink(0, "gpu-b")], [nvlink(5), nvlink(2, "gpu-b")], [nvlink(1), nvlink(2, "gpu-b")],
+             [nvlink(3), nvlink(2, "gpu-b")]]
+    events, seen = _classify(HealthConfig(poll_interval_s=0.01, nvlink_error_growth_fatal=2), *polls)
+    # The first reading is the baseline (5 errors before the monitor started are not growth); 5 -> 1 is
+    # a driver reload; 1 -> 3 is growth 2, FATAL at the threshold; gpu-b grows by 2 at the second poll.
+    assert [[r.severity.value for r in poll] for poll in seen] == [
+        ["ok", "ok"], ["ok", "fatal"], ["ok", "ok"], ["fatal", "ok"]]
+    assert [(e.device, e.reading.value) for e in events] == [("gpu-b", 2), ("gpu-a", 3)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"metric": "xid", "value": "79"},
+     "HealthReading.value: an XID reading is the XID code (a positive int) or None, got '79'"),
+    ({"metric": "ecc_uncorrectable", "value": -1},
+     "HealthReading.value: a 'ecc_uncorrectable' reading is a non-negative int error count, got -1"),
+    ({"metric": "device_lost", "value": 1}, "HealthReading.value: a 'device_lost' reading is True or False, got 1"),
+    ({"metric": "temperature", "value": 80},
+     "HealthReading.limit: a temperature reading needs the device's shutdown temperature (degrees C) as limit, "
+     "got None"),
+    ({"metric": "pcie_aer", "value": 1},
+     "HealthReading.severity: 'pcie_aer' is not a standard metric (xid, ecc_uncorrectable, ecc_correctable, "
+     "nvlink_errors, row_remap_failure, row_remap_pending, device_lost, temperature), so its source must classify "
+     "it: pass a HealthSeverity"),
+])
+def test_standard_readings_are_validated_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        HealthReading(source="scripted", device="gpu-a", **kwargs)
+    assert str(error.value) == message
+
+
 # ---------------------------------------------------------------------------- validation
 
 
@@ -287,6 +390,13 @@ def test_enable_resiliency_does_not_start_a_health_monitor(tmp_path):
      "HealthConfig.nvlink_error_growth_fatal: must be a positive int number of errors per poll, got 0"),
     ({"nvlink_error_growth_fatal": True},
      "HealthConfig.nvlink_error_growth_fatal: must be a positive int number of errors per poll, got True"),
+    ({"xid_fatal": {79, 0}}, "HealthConfig.xid_fatal: must be a set of positive int XID codes, got {0, 79}"),
+    ({"xid_fatal": "79"}, "HealthConfig.xid_fatal: must be a set of positive int XID codes, got '79'"),
+    ({"xid_warning": {13, 79}},
+     "HealthConfig.xid_warning: must not repeat codes of xid_fatal ([79] are in both), got frozenset({13, 79})"),
+    ({"xid_other": "loud"}, "HealthConfig.xid_other: must be a HealthSeverity ('ok', 'warning' or 'fatal'), "
+                            "got 'loud'"),
+    ({"row_remap_pending_warning": 1}, "HealthConfig.row_remap_pending_warning: must be True or False, got 1"),
 ])
 def test_config_errors_name_the_field(kwargs, message):
     with pytest.raises(ConfigError) as error:
@@ -298,18 +408,21 @@ def test_config_is_frozen_with_the_documented_defaults():
     config = HealthConfig()
     assert (config.poll_interval_s, config.close_timeout_s, config.temperature_fatal_margin_c,
             config.temperature_warning_margin_c, config.nvlink_error_growth_fatal) == (5.0, 10.0, 5.0, 15.0, 1)
+    assert 79 in config.xid_fatal and 13 in config.xid_warning and config.xid_other is HealthSeverity.WARNING
+    assert (config.ecc_uncorrectable_fatal, config.ecc_correctable_warning, config.row_remap_failure_fatal,
+            config.row_remap_pending_warning) == (True, True, True, True)
     with pytest.raises(AttributeError):
         config.poll_interval_s = 1.0
 
 
 def test_reading_validation_and_severity_strings():
-    assert reading("temperature", "warning").severity is HealthSeverity.WARNING
+    assert reading("pcie_aer", "warning").severity is HealthSeverity.WARNING
     with pytest.raises(ValueError) as error:
-        reading("temperature", "bad")
+        reading("pcie_aer", "bad")
     assert str(error.value) == ("HealthReading.severity: must be a HealthSeverity ('ok', 'warning', 'fatal'), "
                                 "got 'bad'")
     with pytest.raises(ValueError, match=r"^HealthReading.device: must be a non-empty string, got ''$"):
-        reading("temperature", "ok", device="")
+        reading("pcie_aer", "ok", device="")
 
 
 def test_monitor_argument_errors():
@@ -372,8 +485,8 @@ def test_nvml_source_reads_a_real_gpu():
         first, second = monitor.poll(), monitor.poll()
     metrics = {r.metric for r in second}
     assert {r.metric for r in first} == metrics
-    assert metrics <= {"ecc_uncorrectable", "ecc_correctable", "row_remap_failure", "row_remap_pending",
-                       "temperature", "nvlink_error_growth"}
+    assert metrics <= {"xid", "ecc_uncorrectable", "ecc_correctable", "row_remap_failure", "row_remap_pending",
+                       "temperature", "nvlink_errors"}
     assert "temperature" in metrics
     for r in second:
         assert (r.source, r.device) == ("nvml:0", source.device)
@@ -381,3 +494,147 @@ def test_nvml_source_reads_a_real_gpu():
     assert [e.metric for e in events] == [r.metric for r in first if r.severity is HealthSeverity.FATAL]
     with pytest.raises(RuntimeError, match=r"^nvml:0: read\(\) after close\(\)$"):
         source.read()
+
+
+# ---------------------------------------------------------------------------- NvmlSource behind a fake NVML
+# No GPU here: a stand-in for the pynvml module (its constants, error class and event structure are
+# the real module's) simulates one GPU, so NvmlSource's own code runs unchanged.
+
+
+class FakeGpu:
+    def __init__(self, pynvml):
+        self.nvml = pynvml
+        self.temperature, self.shutdown_c = 40, 92
+        self.ecc = {pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: 0, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 0}
+        self.pending, self.failure = 0, 0
+        self.nvlink = {0: 0, 1: 0}          # active links -> errors of one counter kind
+        self.xids = []
+        self.xid_events = True
+        self.lost = False
+        self.calls = []
+
+    def module(self):
+        real, gpu = self.nvml, self
+        fake = types.ModuleType("pynvml")
+        for name in dir(real):
+            if name.startswith(("NVML_", "nvmlEventType")):
+                setattr(fake, name, getattr(real, name))
+        fake.NVMLError = real.NVMLError
+
+        def fail(code):
+            raise real.NVMLError(code)
+
+        def alive():
+            if gpu.lost:
+                fail(real.NVML_ERROR_GPU_IS_LOST)
+
+        def wait(event_set, timeout_ms):
+            assert (event_set, timeout_ms) == ("xid-set", 0)
+            if not gpu.xids:
+                fail(real.NVML_ERROR_TIMEOUT)
+            data = real.c_nvmlEventData_t()
+            data.eventType, data.eventData = real.nvmlEventTypeXidCriticalError, gpu.xids.pop(0)
+            return data
+
+        def register(handle, event_types, event_set):
+            assert event_types == real.nvmlEventTypeXidCriticalError
+            if not gpu.xid_events:
+                fail(real.NVML_ERROR_NOT_SUPPORTED)
+
+        def nvlink_state(handle, link):
+            if link not in gpu.nvlink:
+                fail(real.NVML_ERROR_INVALID_ARGUMENT)
+            return real.NVML_FEATURE_ENABLED
+
+        def nvlink_counter(handle, link, counter):
+            alive()
+            return gpu.nvlink[link] if counter == real.NVML_NVLINK_ERROR_DL_CRC_FLIT else 0
+
+        fake.nvmlInit = lambda: gpu.calls.append("init")
+        fake.nvmlShutdown = lambda: gpu.calls.append("shutdown")
+        fake.nvmlDeviceGetHandleByIndex = lambda index: "gpu0" if index == 0 else fail(real.NVML_ERROR_INVALID_ARGUMENT)
+        fake.nvmlDeviceGetUUID = lambda handle: "GPU-fake-0"
+        fake.nvmlDeviceGetTemperatureThreshold = lambda handle, kind: (
+            gpu.shutdown_c if kind == real.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN else fail(real.NVML_ERROR_NOT_SUPPORTED))
+        fake.nvmlDeviceGetTemperature = lambda handle, sensor: alive() or gpu.temperature
+        fake.nvmlDeviceGetTotalEccErrors = lambda handle, kind, counter: (
+            alive() or gpu.ecc[kind] if counter == real.NVML_VOLATILE_ECC else fail(real.NVML_ERROR_INVALID_ARGUMENT))
+        fake.nvmlDeviceGetRemappedRows = lambda handle: alive() or (0, 0, gpu.pending, gpu.failure)
+        fake.nvmlDeviceGetNvLinkState = nvlink_state
+        fake.nvmlDeviceGetNvLinkErrorCounter = nvlink_counter
+        fake.nvmlEventSetCreate = lambda: "xid-set"
+        fake.nvmlDeviceRegisterEvents = register
+        fake.nvmlEventSetWait_v2 = wait
+        fake.nvmlEventSetFree = lambda event_set: gpu.calls.append(f"free {event_set}")
+        return fake
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    simulated = FakeGpu(pytest.importorskip("pynvml"))
+    monkeypatch.setitem(sys.modules, "pynvml", simulated.module())
+    return simulated
+
+
+def test_nvml_source_reads_xids_and_raw_metrics_the_monitor_classifies(gpu, caplog):
+    events = []
+    source = NvmlSource(device_index=0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        with HardwareHealthMonitor(FAST, [source], on_event=events.append) as monitor:
+            first = monitor.poll()
+            assert {(r.metric, r.value, r.severity.value) for r in first} == {
+                ("ecc_uncorrectable", 0, "ok"), ("ecc_correctable", 0, "ok"), ("row_remap_failure", False, "ok"),
+                ("row_remap_pending", False, "ok"), ("xid", None, "ok"), ("temperature", 40, "ok"),
+                ("nvlink_errors", 0, "ok")}
+            assert {r.limit for r in first if r.metric == "temperature"} == {92}
+            assert {(r.source, r.device) for r in first} == {("nvml:0", "GPU-fake-0")}
+            gpu.xids = [13]
+            assert [(r.value, r.severity.value) for r in monitor.poll() if r.metric == "xid"] == [(13, "warning")]
+            assert events == []
+            gpu.xids = [31, 79]
+            gpu.ecc[gpu.nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED] = 6
+            gpu.nvlink[1] = 4
+            gpu.temperature = 88
+            third = {(r.metric, r.value): r.severity.value for r in monitor.poll()}
+    assert third[("xid", 31)] == "warning" and third[("xid", 79)] == "fatal"
+    assert third[("ecc_correctable", 6)] == "warning" and third[("nvlink_errors", 4)] == "fatal"
+    assert third[("temperature", 88)] == "fatal"
+    assert [(e.device, e.metric, e.reading.value) for e in events] == [
+        ("GPU-fake-0", "xid", 79), ("GPU-fake-0", "temperature", 88), ("GPU-fake-0", "nvlink_errors", 4)]
+    assert json.loads(json.dumps(events, allow_nan=False)) == events
+    logged = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert [m for m in logged if " xid = " in m] == ["hardware health warning: GPU-fake-0 xid = 13 (nvml:0): XID 13 (graphics engine "
+                          "exception): a warning by HealthConfig.xid_warning",
+                          "hardware health warning: GPU-fake-0 xid = 31 (nvml:0): XID 31 (GPU memory page fault): "
+                          "a warning by HealthConfig.xid_warning"]
+    assert gpu.calls == ["init", "free xid-set", "shutdown"]
+
+
+def test_nvml_xid_policy_is_the_monitors_config(gpu):
+    events = []
+    gpu.xids = [13]
+    with HardwareHealthMonitor(HealthConfig(poll_interval_s=0.01, xid_fatal={13}, xid_warning=()),
+                               [NvmlSource(device_index=0)], on_event=events.append) as monitor:
+        monitor.poll()
+    assert [(e.metric, e.reading.value, e.reading.severity) for e in events] == [("xid", 13, HealthSeverity.FATAL)]
+
+
+def test_nvml_without_xid_events_says_so_and_reads_the_rest(gpu, caplog):
+    gpu.xid_events = False
+    with caplog.at_level(logging.WARNING, logger="lm_resiliency.manager_api.nvml"):
+        source = NvmlSource(device_index=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "nvml:0: this GPU does not deliver XID events (Not Supported); XIDs are not monitored"]
+    assert "xid" not in {r.metric for r in source.read()}
+    source.close()
+    assert gpu.calls == ["init", "free xid-set", "shutdown"]
+
+
+def test_nvml_device_loss_is_one_fatal_reading(gpu):
+    events = []
+    with HardwareHealthMonitor(FAST, [NvmlSource(device_index=0)], on_event=events.append) as monitor:
+        monitor.poll()
+        gpu.lost = True
+        assert [(r.metric, r.value, r.severity.value) for r in monitor.poll()] == [("device_lost", True, "fatal")]
+    assert [(e.metric, e.reading.message) for e in events] == [
+        ("device_lost", "the device is lost or needs a reset; NVML reports the GPU unusable: GPU is lost")]

@@ -275,7 +275,7 @@ def test_hang_is_reported_once_naming_the_stuck_rank(tmp_path, monitors, store_k
     assert report.evidence["ranks"]["0"]["op"] == "all_reduce"
     assert report.evidence["stalled_s"]["2"] >= config.hang_stall_threshold_s / 2
     assert max(v["idle_s"] for v in report.evidence["ranks"].values()) >= config.hang_stall_threshold_s
-    json.dumps(report.to_json())
+    assert json.loads(json.dumps(report, allow_nan=False)) == report   # JSON-ready as handed over
 
 
 def test_hang_of_the_lowest_rank_is_localized_by_lagging_collectives(monitors):
@@ -375,7 +375,7 @@ def test_dataloader_stall_is_reported_by_the_stalled_rank(monitors):
     assert report.resource == "dataloader:train" and report.hosts == ("nodeA",)
     assert 0.3 <= report.evidence["duration_s"] < 0.8 and report.evidence["threshold_s"] == 0.3
     assert report.step == 1                      # the step reached before the slow batch
-    json.dumps(report.to_json())
+    assert json.loads(json.dumps(report, allow_nan=False)) == report   # JSON-ready as handed over
 
 
 def test_checkpoint_io_stall_is_reported(monitors):
