@@ -324,13 +324,16 @@ def _record_problem(doc: Any, schema: RecordSchema, prefix: str = "") -> Optiona
         return f"{prefix or 'the document '}is not a JSON object ({type(doc).__name__})"
     if schema.identity is not None:
         key, expected = schema.identity
-        if doc.get(key) != expected:
-            return (f"not a {schema.what} of this version: {prefix}{key} is {_shown(doc.get(key))}, "
-                    f"expected {expected!r}")
+        found = doc.get(key)
+        # `==` alone would take True for 1 and 1.0 for 1.
+        if type(found) is not type(expected) or found != expected:
+            shown = "nothing" if key not in doc else _shown(found)
+            return f"not a {schema.what} of this version: {prefix}{key}: expected {expected!r}, got {shown}"
     declared = set(schema.fields) | ({schema.identity[0]} if schema.identity else set())
-    unknown = sorted(set(doc) - declared)
+    unknown = sorted(set(doc) - declared, key=str)
     if unknown and not schema.open_keys:
-        return f"unknown keys {[prefix + k for k in unknown]} in a {schema.what}"
+        return (f"unknown key(s) {[prefix + str(k) for k in unknown]} in a {schema.what}; "
+                f"accepted: {sorted(declared)}")
     missing = sorted(k for k, f in schema.fields.items() if f.required and k not in doc)
     if missing:
         return f"missing keys {[prefix + k for k in missing]} in a {schema.what}"

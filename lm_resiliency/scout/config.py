@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lm_resiliency._values import MAX_SECONDS, ConfigError, is_int, is_seconds
+from lm_resiliency._values import MAX_SECONDS, MAX_STEP_INTERVAL, ConfigError, is_int, is_seconds, is_step_interval
 from lm_resiliency.scout.alltoall_policy import AllToAllReplayPolicy, BalancedAndPermutationPolicy
 from lm_resiliency.scout.moe_workload import ReplayWorkload
 
@@ -61,11 +61,13 @@ class ReplayHarnessConfig:
             if not ok:
                 raise ConfigError(f"{name}.{field}: {message}, got {getattr(self, field)!r}")
 
-        require(_positive_int_or_none(self.check_interval) and self.check_interval is not None,
-                "check_interval", "must be a positive integer number of optimizer steps")
+        require(is_step_interval(self.check_interval), "check_interval",
+                f"must be a positive integer number of optimizer steps, at most {MAX_STEP_INTERVAL}")
         for field in ("embedding_check_interval", "hidden_check_interval", "output_check_interval",
                       "optimizer_check_interval", "communication_probe_interval"):
-            require(_positive_int_or_none(getattr(self, field)), field, "must be None or a positive integer")
+            value = getattr(self, field)
+            require(value is None or is_step_interval(value), field,
+                    f"must be None or a positive integer, at most {MAX_STEP_INTERVAL}")
         for field in ("rotate_layers", "capture_inputs_by_value"):
             require(isinstance(getattr(self, field), bool), field, "must be True or False")
         require(_positive_int_or_none(self.optimizer_check_max_elements), "optimizer_check_max_elements",
