@@ -261,6 +261,15 @@ def array(items: Field, *, max_length: Optional[int] = 4096, nonempty: bool = Fa
     return Field(types=(list,), items=items, max_length=max_length, nonempty=nonempty, required=required)
 
 
+# Every value strict JSON decodes to.
+JSON_TYPES: Tuple[type, ...] = (dict, list, str, int, float, bool, type(None))
+
+
+def any_json(*, required: bool = True) -> Field:
+    """Any JSON value (a caller's own structure, checked by its owner)."""
+    return Field(types=JSON_TYPES, required=required)
+
+
 def nested(schema: "RecordSchema", *, required: bool = True) -> Field:
     return Field(types=(dict,), record=schema, required=required)
 
@@ -354,17 +363,25 @@ def check_record(doc: Any, schema: RecordSchema, where: str, *,
     return doc
 
 
-def parse_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
-                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
-    """Bytes from a file, the store, shared memory or the wire -> a document satisfying `schema`."""
+def decode_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
+                  error: Type[RecordRejected] = RecordRejected) -> Any:
+    """The strict JSON value in `data` (at most `schema.max_bytes`), not yet checked against `schema`.
+    The error's `__cause__` is the decoder's exception: a UnicodeDecodeError or json.JSONDecodeError
+    means bytes that may still be changing (a reader may retry); anything else is a file that is
+    complete and not strict JSON (NaN, duplicate keys, too deep)."""
     size = len(data)
     if size > schema.max_bytes:
         raise error(f"{where}: a {schema.what} of {size} bytes; at most {schema.max_bytes} are accepted")
     try:
-        decoded = loads_strict_json(data.decode("utf-8") if isinstance(data, bytes) else data)
+        return loads_strict_json(data.decode("utf-8") if isinstance(data, bytes) else data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise error(f"{where}: not a {schema.what}: not valid JSON ({exc})") from None
-    return check_record(decoded, schema, where, error=error)
+        raise error(f"{where}: not a {schema.what}: not valid JSON ({exc})") from exc
+
+
+def parse_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
+                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
+    """Bytes from a file, the store, shared memory or the wire -> a document satisfying `schema`."""
+    return check_record(decode_record(data, schema, where, error=error), schema, where, error=error)
 
 
 def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
@@ -375,11 +392,14 @@ def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
 
 
 def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVATE, dir_fd: Optional[int] = None,
-                    shown: Optional[str] = None, error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
+                    shown: Optional[str] = None, uid: Optional[int] = None,
+                    error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
     """The bytes of `path` (None when it does not exist), after open_owned's checks for `trust`
-    (PRIVATE: this user's, no group/other access; CONFIG: this user's or root's, not group/other
-    writable) and a size bound; never blocks on a FIFO, never follows a link."""
-    owners = (os.geteuid(),) if trust == PRIVATE else (os.geteuid(), 0)
+    (PRIVATE: this user's (`uid`, default the effective uid), no group/other access; CONFIG: this
+    user's or root's, not group/other writable) and a size bound; never blocks on a FIFO, never
+    follows a link."""
+    me = os.geteuid() if uid is None else uid
+    owners = (me,) if trust == PRIVATE else (me, 0)
     fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners, forbidden_mode=_FILE_TRUST[trust])
     if fd is None:
         return None
@@ -408,16 +428,42 @@ def ensure_private_dir(path: str, what: str, *, error: Type[RecordRejected] = Re
     or accept an existing one only when it is a real directory (not a link) this user owns with no
     group/other access. An existing directory is never chmod-ed: a mode someone chose is theirs to
     change, and a directory that became accessible to others may already hold their files."""
-    parent = os.path.dirname(os.path.abspath(path))
+    os.close(open_private_dir(path, what, parents=True, error=error))
+
+
+def open_private_dir(path: str, what: str, *, dir_fd: Optional[int] = None, shown: Optional[str] = None,
+                     parents: bool = False, error: Type[RecordRejected] = RecordRejected) -> int:
+    """`ensure_private_dir` returning an open fd of the directory (`path` relative to `dir_fd` when
+    given; `shown` names it in messages). The checks run on the open fd, so a directory swapped
+    after the check is never the one used; `parents` creates missing parents (without `dir_fd`)."""
+    shown = path if shown is None else shown
     try:
-        if not os.path.isdir(parent):
+        parent = os.path.dirname(os.path.abspath(path))
+        if parents and dir_fd is None and not os.path.isdir(parent):
             os.makedirs(parent, exist_ok=True)
-        os.mkdir(path, 0o700)
+        os.mkdir(path, 0o700, dir_fd=dir_fd)
     except FileExistsError:
         pass
     except OSError as exc:
-        raise error(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
-    check_private_dir(path, what, error=error)
+        raise error(f"cannot create the {what} {shown}: {exc.strerror or exc}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        try:
+            info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise error(f"{what} {shown}: cannot open it: {exc.strerror or exc}") from None
+        raise error(_private_dir_problem(info, what, shown) or f"{what} {shown}: cannot open it: "
+                    f"{exc.strerror or exc}") from None
+    try:
+        problem = _private_dir_problem(os.fstat(fd), what, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise error(problem)
+    return fd
 
 
 def check_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
@@ -427,11 +473,20 @@ def check_private_dir(path: str, what: str, *, error: Type[RecordRejected] = Rec
         info = os.lstat(path)
     except OSError as exc:
         raise error(f"{what} {path}: cannot stat it: {exc.strerror or exc}") from None
+    problem = _private_dir_problem(info, what, path)
+    if problem is not None:
+        raise error(problem)
+
+
+def _private_dir_problem(info: os.stat_result, what: str, shown: str) -> Optional[str]:
+    if stat.S_ISLNK(info.st_mode):
+        return f"{what} {shown} is a symbolic link; refusing to follow it. Point it at a directory this user owns"
     if not stat.S_ISDIR(info.st_mode):
-        raise error(f"{what} {path} is not a directory (a link or a file); point it at a directory this user owns")
+        return f"{what} {shown} is not a directory; point it at a directory this user owns"
     if info.st_uid != os.geteuid():
-        raise error(f"{what} {path} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}); "
-                    "refusing to use it. Use a directory this user owns")
+        return (f"{what} {shown} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}); "
+                "refusing to use it. Use a directory this user owns")
     if info.st_mode & 0o077:
-        raise error(f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: group/other access is not "
-                    "allowed. It is not changed for you; chmod 700 it or use another directory")
+        return (f"{what} {shown} has mode {stat.S_IMODE(info.st_mode):04o}: group/other access is not "
+                "allowed. It is not changed for you; chmod 700 it or use another directory")
+    return None

@@ -110,8 +110,11 @@ def test_one_private_directory_policy(tmp_path):
         check_private_dir(target, "restart-context directory")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o777
     os.symlink(target, str(tmp_path / "alias"))
-    with pytest.raises(RecordRejected, match="not a directory"):
+    with pytest.raises(RecordRejected, match="alias is a symbolic link; refusing to follow it"):
         ensure_private_dir(str(tmp_path / "alias"), "restart-context directory")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RecordRejected, match="file is not a directory"):
+        ensure_private_dir(str(tmp_path / "file"), "restart-context directory")
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)

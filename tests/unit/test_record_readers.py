@@ -1,0 +1,60 @@
+"""Every reader of outside documents is on the record layer (issue 22): one rejection root
+(`RecordRejected`, each reader's own type kept as a subclass with its old bases), file trust
+(mode, owner, no link) for records that were read without it, and the one private-directory
+policy (create 0700, never chmod an existing directory: refuse it, say what to do)."""
+
+import os
+import stat
+
+import pytest
+
+from lm_resiliency.files import RecordRejected
+from lm_resiliency.gemini.shm import SegmentRejected, SharedMemoryUnavailable, SharedSlotArena
+from lm_resiliency.gemini.storage import (NodeLocalDirRejected, NodeLocalStore, ShardRejected, StatusRejected,
+                                          run_namespace)
+
+RUN, TOPO = "records-run", "records-topology"
+
+
+def _store(root):
+    return NodeLocalStore(str(root), RUN, TOPO, 0, verify_integrity=True, timeout_s=5)
+
+
+@pytest.mark.parametrize("error, bases", [
+    (ShardRejected, ()), (StatusRejected, ()), (SegmentRejected, ()), (NodeLocalDirRejected, (PermissionError,)),
+])
+def test_every_rejection_is_a_record_rejection_and_keeps_its_bases(error, bases):
+    assert issubclass(error, RecordRejected) and issubclass(error, Exception)
+    assert all(issubclass(error, base) for base in bases)
+
+
+def test_a_status_sidecar_others_can_read_is_refused(tmp_path):
+    store = _store(tmp_path)
+    store.write_status({"recovery_verified": 4})
+    path = os.path.join(store.directory, "status.json")
+    os.chmod(path, 0o644)
+    with pytest.raises(StatusRejected, match=f"{path}: status sidecar has mode 644; expected 0600 at most"):
+        store.read_status()
+
+
+def test_an_existing_node_local_directory_others_can_enter_is_refused_not_changed(tmp_path):
+    namespace = tmp_path / run_namespace(RUN, TOPO)
+    namespace.mkdir(mode=0o755)
+    os.chmod(namespace, 0o755)
+    with pytest.raises(PermissionError, match=r"has mode 0755: group/other access is not allowed. It is not "
+                                              r"changed for you; chmod 700 it"):
+        _store(tmp_path)
+    assert stat.S_IMODE(os.stat(namespace).st_mode) == 0o755
+    os.chmod(namespace, 0o700)
+    assert os.path.isdir(_store(tmp_path).directory)
+
+
+def test_an_existing_shared_memory_root_others_can_enter_is_refused_not_changed(tmp_path):
+    root = tmp_path / "shm"
+    root.mkdir()
+    os.chmod(root, 0o755)
+    with pytest.raises(SharedMemoryUnavailable, match="shared-memory directory .* has mode 0755: group/other "
+                                                      "access is not allowed"):
+        SharedSlotArena(str(root), RUN, TOPO, 0, series=str(tmp_path / "disk"), verify_integrity=False,
+                        pin_memory=False, peer_owner=None)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o755
