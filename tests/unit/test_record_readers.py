@@ -58,3 +58,57 @@ def test_an_existing_shared_memory_root_others_can_enter_is_refused_not_changed(
         SharedSlotArena(str(root), RUN, TOPO, 0, series=str(tmp_path / "disk"), verify_integrity=False,
                         pin_memory=False, peer_owner=None)
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o755
+
+
+def test_a_manifest_others_can_read_is_refused(tmp_path):
+    from lm_resiliency.trust.decision import RECOVERY_VERIFIED
+    from lm_resiliency.trust.errors import CertificationError, ManifestRejected
+    from lm_resiliency.trust.manifests import ManifestStore, manifest_name
+
+    assert issubclass(ManifestRejected, RecordRejected) and issubclass(ManifestRejected, CertificationError)
+    store = ManifestStore(str(tmp_path / "manifests"), "env")
+    store.ensure_directory()
+    store.write("ckpt-10", 10, RECOVERY_VERIFIED)
+    assert store.newest_verified()["step"] == 10
+    path = tmp_path / "manifests" / manifest_name("ckpt-10")
+    os.chmod(path, 0o644)
+    with pytest.raises(ManifestRejected, match=f"{path}: durable checkpoint manifest has mode 644"):
+        store.newest_verified()
+
+
+def test_an_existing_manifest_directory_others_can_enter_is_refused_not_changed(tmp_path):
+    from lm_resiliency.trust.errors import ManifestRejected
+    from lm_resiliency.trust.manifests import ManifestStore
+
+    (tmp_path / "manifests").mkdir()
+    os.chmod(tmp_path / "manifests", 0o750)
+    with pytest.raises(ManifestRejected, match="has mode 0750: group/other access is not allowed"):
+        ManifestStore(str(tmp_path / "manifests"), "env").ensure_directory()
+    assert stat.S_IMODE(os.stat(tmp_path / "manifests").st_mode) == 0o750
+
+
+def test_a_malformed_abandonment_notice_names_nobody():
+    import torch.distributed as dist
+
+    from lm_resiliency.gemini.abandon import AbandonBoard
+
+    store = dist.HashStore()
+    board = AbandonBoard(store, "records/")
+    board.mark(1, 7, "replica send failed")
+    dist.PrefixStore("records/", store).set("2", '{"step": "x", "reason": "forged"}')
+    dist.PrefixStore("records/", store).set("3", '{"step": 4')
+    assert board.find([1, 2, 3]) == "rank 1 stopped replicating after step 7 (replica send failed)"
+
+
+def test_a_persisted_trust_record_of_the_wrong_shape_is_a_record_rejection():
+    from lm_resiliency.trust.errors import CertificationError
+    from lm_resiliency.trust.rules import TrustState, loaded
+
+    good = TrustState(catalog_size=1).to_doc()
+    assert loaded(TrustState(catalog_size=1), good)[0] == TrustState(catalog_size=1)
+    for change, message in (({"catalog_size": 0}, "catalog_size must be at least 1, got 0"),
+                            ({"verified_history": [{"step": 3}]}, r"missing keys \['verified_history\[0\]"),
+                            ({"sdc_pending": "no"}, "sdc_pending must be bool")):
+        with pytest.raises(CertificationError, match=message) as info:
+            loaded(TrustState(catalog_size=1), {**good, **change})
+        assert isinstance(info.value, RecordRejected)
