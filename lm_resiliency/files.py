@@ -423,6 +423,12 @@ def write_record(path: str, doc: Mapping[str, Any], schema: RecordSchema) -> Non
     atomic_write(path, encode_record(doc, schema))
 
 
+def make_parents(path: str) -> None:
+    """Create the missing parent directories of a file the user named (as the umask allows): the
+    user's own folder, not a private one (the file itself is written 0600)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def ensure_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
     """The one private-directory policy: create `path` 0700 (missing parents as the umask allows),
     or accept an existing one only when it is a real directory (not a link) this user owns with no

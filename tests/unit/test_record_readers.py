@@ -112,3 +112,35 @@ def test_a_persisted_trust_record_of_the_wrong_shape_is_a_record_rejection():
         with pytest.raises(CertificationError, match=message) as info:
             loaded(TrustState(catalog_size=1), {**good, **change})
         assert isinstance(info.value, RecordRejected)
+
+
+def test_fault_kit_files_others_may_write_or_linked_are_refused(tmp_path):
+    from lm_resiliency.faults import CampaignJournal, FaultCampaign, JsonCampaignStateStore
+    from lm_resiliency.faults.errors import CampaignSchemaError
+
+    assert issubclass(CampaignSchemaError, RecordRejected) and issubclass(CampaignSchemaError, ValueError)
+    state = tmp_path / "state.json"
+    store = JsonCampaignStateStore(str(state))
+    assert store.claim("a@1/rank-0", {"pid": 1})
+    os.chmod(state, 0o666)
+    with pytest.raises(RecordRejected, match=f"{state}: campaign state has mode 666"):
+        store.load()
+    os.chmod(state, 0o600)
+    os.rename(state, tmp_path / "elsewhere.json")
+    os.symlink(tmp_path / "elsewhere.json", state)
+    with pytest.raises(RecordRejected, match="campaign state is a symbolic link"):
+        store.load()
+    os.unlink(state)
+    with open(os.open(state, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write('{"schema_version": 1, "claims": {')  # truncated
+    with pytest.raises(RecordRejected, match="not a campaign state: not valid JSON"):
+        store.load()
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text("")
+    os.chmod(journal, 0o622)
+    with pytest.raises(RecordRejected, match="campaign journal has mode 622"):
+        CampaignJournal(str(journal)).records()
+    manifest = tmp_path / "campaign.json"
+    os.mkfifo(manifest)
+    with pytest.raises(RecordRejected, match="campaign manifest is not a regular file"):
+        FaultCampaign.from_file(str(manifest))
