@@ -82,11 +82,12 @@ def _fsync_fd(fd: int) -> None:
 
 
 def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
-                 temp_name: Optional[str] = None, dir_fd: Optional[int] = None) -> None:
+                 temp_name: Optional[str] = None, dir_fd: Optional[int] = None, mode: int = 0o600) -> None:
     """Make a file visible at `path` only complete: temp file, fsync, rename, fsync the dir.
 
     `data` is the bytes, or a function that streams them into the open temp file. The temp
-    file is created in the same directory (never through a symlink, mode 0600) under
+    file is created in the same directory (never through a symlink, `mode`: 0600 unless the file
+    is a user's own output, such as a report they asked for) under
     `temp_name`, or a random name; it is removed when anything fails before the rename. With
     `dir_fd`, `path` is a name inside that open directory (no path lookup can be redirected)."""
     if dir_fd is None:
@@ -99,7 +100,7 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600, dir_fd=dir_fd)
     published = False
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask
+        os.fchmod(fd, mode)  # whatever the umask
         with os.fdopen(fd, "wb") as f:
             fd = -1
             if callable(data):
@@ -190,6 +191,9 @@ PRIVATE = "private"
 # Configuration a person wrote for the library (a policy file): this user's or root's, and not
 # writable by group or others (it may name code to import).
 CONFIG = "config"
+# A file a person named for this one call (a command-line input): any owner or mode and links
+# followed, as the person chose it; still only a regular file (never a FIFO) and size-bounded.
+INPUT = "input"
 _FILE_TRUST = {PRIVATE: 0o077, CONFIG: 0o022}
 
 
@@ -394,13 +398,17 @@ def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
 def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVATE, dir_fd: Optional[int] = None,
                     shown: Optional[str] = None, uid: Optional[int] = None,
                     error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
-    """The bytes of `path` (None when it does not exist), after open_owned's checks for `trust`
-    (PRIVATE: this user's (`uid`, default the effective uid), no group/other access; CONFIG: this
-    user's or root's, not group/other writable) and a size bound; never blocks on a FIFO, never
-    follows a link."""
-    me = os.geteuid() if uid is None else uid
-    owners = (me,) if trust == PRIVATE else (me, 0)
-    fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners, forbidden_mode=_FILE_TRUST[trust])
+    """The bytes of `path` (None when it does not exist), after the checks for `trust` and a size
+    bound. PRIVATE: this user's (`uid`, default the effective uid), no group/other access; CONFIG:
+    this user's or root's, not group/other writable (both never follow a link, see open_owned);
+    INPUT: a file a person named, any owner, links followed. Never blocks on a FIFO."""
+    if trust == INPUT:
+        fd = _open_input(path, what, shown or path, error)
+    else:
+        me = os.geteuid() if uid is None else uid
+        owners = (me,) if trust == PRIVATE else (me, 0)
+        fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners,
+                        forbidden_mode=_FILE_TRUST[trust])
     if fd is None:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -408,6 +416,20 @@ def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVAT
     if len(data) > max_bytes:
         raise error(f"{shown or path}: {what} is larger than {max_bytes} bytes; refusing to read it")
     return data
+
+
+def _open_input(path: str, what: str, shown: str, error: Type[RecordRejected]) -> Optional[int]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | CLOEXEC)  # never waits for a FIFO's writer
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise error(f"{shown}: cannot open {what}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{shown}: {what} is not a regular file; refusing to read it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def read_record(path: str, schema: RecordSchema, *, trust: str = PRIVATE, dir_fd: Optional[int] = None,
