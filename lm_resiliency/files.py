@@ -63,6 +63,12 @@ def loads_strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 
 
+def json_copy(value: Any, *, default: Optional[Callable[[Any], Any]] = None) -> Any:
+    """`value` as every receiver of it as JSON sees it (tuples become lists, a deep copy); ValueError
+    for NaN/Infinity, TypeError for what JSON cannot hold unless `default` turns it into JSON."""
+    return json.loads(json.dumps(value, allow_nan=False, default=default))
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename in `directory` durable; filesystems without directory fsync are tolerated."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))

@@ -144,3 +144,45 @@ def test_fault_kit_files_others_may_write_or_linked_are_refused(tmp_path):
     os.mkfifo(manifest)
     with pytest.raises(RecordRejected, match="campaign manifest is not a regular file"):
         FaultCampaign.from_file(str(manifest))
+
+
+def test_a_transfer_refusal_is_a_record_rejection_and_stays_a_runtime_error():
+    from lm_resiliency.manager_api.transfer_metadata import TransferRefused
+
+    assert issubclass(TransferRefused, RecordRejected) and issubclass(TransferRefused, RuntimeError)
+
+
+def test_wire_documents_are_strict_json():
+    import torch
+
+    from lm_resiliency.wire import decode_json
+
+    for text in ('{"step": 1, "step": 2}', '{"loss": NaN}'):
+        with pytest.raises(ValueError, match="duplicate JSON key 'step'|non-standard JSON constant NaN"):
+            decode_json(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+
+
+def test_a_fifo_machine_id_path_is_refused_at_once(tmp_path, monkeypatch):
+    import threading
+
+    from lm_resiliency.torchrun.identity import MACHINE_ID_ENV, read_machine_id
+
+    fifo = str(tmp_path / "machine-id")
+    os.mkfifo(fifo)
+    monkeypatch.setenv(MACHINE_ID_ENV, fifo)
+    outcome = []
+
+    def read():
+        try:
+            read_machine_id()
+        except ValueError as exc:
+            outcome.append(str(exc))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # the old reader blocked in open(): release it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=30)
+        pytest.fail("read_machine_id blocked on a FIFO")
+    assert outcome and "machine id file is not a regular file" in outcome[0]
