@@ -4,7 +4,6 @@ one size bound, one version check, and values that would break a run refused wit
 (issue 22 items 7 and 10)."""
 
 import os
-import threading
 
 import pytest
 
@@ -12,6 +11,7 @@ from lm_resiliency.config import ConfigError
 from lm_resiliency.files import RecordRejected
 from lm_resiliency.settings import POLICY_MAX_BYTES, ResiliencyPolicy
 from lm_resiliency.torchrun.policy import parse_policy, read_policy_bytes
+from tests.fifo import refusal_without_blocking
 
 GOOD = """schema_version = 1
 interval = 2
@@ -46,23 +46,9 @@ def test_a_good_policy_is_read_by_both_readers(tmp_path):
 def test_a_fifo_worker_policy_is_refused_at_once(tmp_path):
     fifo = str(tmp_path / "worker.toml")
     os.mkfifo(fifo, 0o600)
-    outcome = []
-
-    def read():
-        try:
-            read_policy_bytes(fifo)
-        except ConfigError as exc:
-            outcome.append(exc)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout=30)
-    if reader.is_alive():  # the old reader blocked in open(): release it, then fail
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(timeout=30)
-        pytest.fail("read_policy_bytes blocked on a FIFO policy path")
-    assert len(outcome) == 1 and isinstance(outcome[0], RecordRejected)
-    assert str(outcome[0]) == f"worker policy {fifo}: policy file is not a regular file; refusing to open it"
+    error = refusal_without_blocking(lambda: read_policy_bytes(fifo), fifo)
+    assert isinstance(error, ConfigError) and isinstance(error, RecordRejected)
+    assert str(error) == f"worker policy {fifo}: policy file is not a regular file; refusing to open it"
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o646, 0o664, 0o620], ids=oct)

@@ -163,26 +163,11 @@ def test_wire_documents_are_strict_json():
 
 
 def test_a_fifo_machine_id_path_is_refused_at_once(tmp_path, monkeypatch):
-    import threading
-
     from lm_resiliency.torchrun.identity import MACHINE_ID_ENV, read_machine_id
+    from tests.fifo import refusal_without_blocking
 
     fifo = str(tmp_path / "machine-id")
     os.mkfifo(fifo)
     monkeypatch.setenv(MACHINE_ID_ENV, fifo)
-    outcome = []
-
-    def read():
-        try:
-            read_machine_id()
-        except ValueError as exc:
-            outcome.append(str(exc))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout=30)
-    if reader.is_alive():  # the old reader blocked in open(): release it, then fail
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(timeout=30)
-        pytest.fail("read_machine_id blocked on a FIFO")
-    assert outcome and "machine id file is not a regular file" in outcome[0]
+    error = refusal_without_blocking(read_machine_id, fifo)
+    assert isinstance(error, ValueError) and "machine id file is not a regular file" in str(error)
