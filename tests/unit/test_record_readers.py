@@ -171,3 +171,15 @@ def test_a_fifo_machine_id_path_is_refused_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv(MACHINE_ID_ENV, fifo)
     error = refusal_without_blocking(read_machine_id, fifo)
     assert isinstance(error, ValueError) and "machine id file is not a regular file" in str(error)
+
+
+def test_layouts_and_replica_headers_are_declared_schemas():
+    from lm_resiliency.codec import LAYOUT_SCHEMA, Layout, StateSchemaError
+    from lm_resiliency.gemini.replication import REPLICA_HEADER_SCHEMA, ReplicaHeaderRejected
+
+    assert issubclass(StateSchemaError, RecordRejected) and issubclass(ReplicaHeaderRejected, RuntimeError)
+    assert LAYOUT_SCHEMA.fields["tensors"].items.record.fields["dtype"].choices
+    with pytest.raises(StateSchemaError, match=r"layout: tensors\[0\].shape\[1\] must be at least 0, got -2"):
+        Layout.from_json({"total_bytes": 64, "tensors": [{"dtype": "float32", "shape": [1, -2], "offset": 0,
+                                                          "nbytes": 8}]})
+    assert set(REPLICA_HEADER_SCHEMA.fields) == {"step", "owner_rank", "layout", "structure", "extra", "tails"}
