@@ -309,9 +309,9 @@ def _field_problem(value: Any, field: Field, path: str) -> Optional[str]:
         return f"{path} must be one of {list(field.choices)}, got {_shown(value)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if field.minimum is not None and value < field.minimum:
-            return f"{path} must be at least {field.minimum:g}, got {value!r}"
+            return f"{path} must be at least {_bound(field.minimum)}, got {value!r}"
         if field.maximum is not None and value > field.maximum:
-            return f"{path} must be at most {field.maximum:g}, got {value!r}"
+            return f"{path} must be at most {_bound(field.maximum)}, got {value!r}"
     if isinstance(value, (str, list, dict)):
         if field.nonempty and not value:
             return f"{path} must not be empty"
@@ -331,6 +331,11 @@ def _field_problem(value: Any, field: Field, path: str) -> Optional[str]:
                 if problem is not None:
                     return problem
     return None
+
+
+def _bound(limit: float) -> str:
+    """A range bound as written: 4294967295, not 4.29497e+09."""
+    return str(int(limit)) if float(limit).is_integer() else f"{limit:g}"
 
 
 def _shown(value: Any) -> str:

@@ -100,7 +100,7 @@ BREAKING = [  # (policy text, what the error must say)
      "bytes, at least 512"),
     ("[checkpoint]\ntimeout_s = 1e-300\n", "InMemoryCkptConfig.timeout_s: must be a finite number of seconds, at "
      "least 0.01"),
-    ("interval = 9223372036854775807\n", "interval must be at most 1e+09, got 9223372036854775807"),
+    ("interval = 9223372036854775807\n", "interval must be at most 1000000000, got 9223372036854775807"),
     ("[checkpoint]\ninterval = 9223372036854775807\n", "InMemoryCkptConfig.interval: must be a positive integer"),
     ("[checkpoint]\ndisk_flush_interval = 9223372036854775807\n", "InMemoryCkptConfig.disk_flush_interval"),
     ("[replay]\ncheck_interval = 9223372036854775807\n", "ReplayHarnessConfig.check_interval"),
