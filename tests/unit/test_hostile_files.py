@@ -188,7 +188,7 @@ def test_too_deep_caller_metadata_fails_the_write(tmp_path):
 
 def test_wire_documents_nested_too_deeply_are_refused():
     raw = torch.frombuffer(bytearray(deep_json().encode()), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="received JSON nested 100000 levels deep"):
+    with pytest.raises(ValueError, match="JSON nested 100000 levels deep; at most 256 are accepted"):
         decode_json(raw)
     assert decode_json(encode_json({"a": [[1]]})) == {"a": [[1]]}
 
