@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from lm_resiliency._values import is_int
+from lm_resiliency._values import MAX_STEP_INTERVAL, is_step_interval
 from lm_resiliency.adapter import FrameworkAdapter
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig
 from lm_resiliency.settings import SETTINGS_KEYS
@@ -27,9 +27,9 @@ def resolve_configs(interval: Optional[int], checkpoint: Optional[InMemoryCkptCo
     """(InMemoryCkptConfig, ReplayHarnessConfig) from a surface's `interval`, `checkpoint` and
     `replay` arguments: `interval`, when given, is the shared GEMINI capture and SCOUT check
     cadence. `where` names the surface in errors, e.g. "ResiliencyPlugin"."""
-    if interval is not None and (not is_int(interval) or interval < 1):
+    if interval is not None and not is_step_interval(interval):
         raise ConfigError(f"{where}(interval=...): must be a positive int number of optimizer steps, "
-                          f"got {interval!r}")
+                          f"at most {MAX_STEP_INTERVAL}, got {interval!r}")
     config = checkpoint if checkpoint is not None else InMemoryCkptConfig()
     if not isinstance(config, InMemoryCkptConfig):
         raise TypeError(f"{where}(checkpoint=...): expected an InMemoryCkptConfig, got {type(config).__name__}")

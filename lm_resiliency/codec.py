@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from lm_resiliency._values import is_int as _is_int
+from lm_resiliency.files import RecordRejected, RecordSchema, array, check_record, integer, nested, text
 
 ALIGNMENT = 64
 # Containers (dict/list/tuple) nested deeper than this are refused at capture: each level is three
@@ -49,7 +50,7 @@ class StateTooDeepError(StateEncodingError, ValueError):
     """The state nests containers deeper than `MAX_STATE_DEPTH`; refused at capture, never at load."""
 
 
-class StateSchemaError(ValueError):
+class StateSchemaError(RecordRejected):
     """A stored or received structure does not match the schema; it is never applied."""
 
 
@@ -79,6 +80,15 @@ class TensorSpec:
         return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
 
 
+_TENSOR_SPEC_SCHEMA = RecordSchema(what="tensor spec", fields={
+    "dtype": text(choices=tuple(_DTYPES)), "shape": array(integer(0), max_length=None), "offset": integer(0),
+    "nbytes": integer(0)})
+# `Layout.to_json`: every place that reads a layout (shards, sidecars, replica headers, transfer
+# offers, SCOUT invocations) checks it against this first.
+LAYOUT_SCHEMA = RecordSchema(what="tensor layout", fields={
+    "total_bytes": integer(0), "tensors": array(nested(_TENSOR_SPEC_SCHEMA), max_length=None)})
+
+
 @dataclass(frozen=True)
 class Layout:
     """The byte layout of every tensor leaf in a slot buffer. Equal layouts share buffers."""
@@ -101,25 +111,16 @@ class Layout:
 
     @staticmethod
     def from_json(doc: object) -> "Layout":
-        if not isinstance(doc, dict) or set(doc) != {"total_bytes", "tensors"}:
-            raise StateSchemaError("layout must be an object with exactly 'total_bytes' and 'tensors'")
-        total = doc["total_bytes"]
-        if not _is_int(total) or total < 0:
-            raise StateSchemaError(f"layout.total_bytes must be a non-negative integer, got {total!r}")
-        if not isinstance(doc["tensors"], list):
-            raise StateSchemaError("layout.tensors must be a list")
+        checked = check_record(doc, LAYOUT_SCHEMA, "layout", error=StateSchemaError)
+        total = checked["total_bytes"]
         specs = []
         end = 0
-        for i, raw in enumerate(doc["tensors"]):
+        for i, raw in enumerate(checked["tensors"]):
             where = f"layout.tensors[{i}]"
-            if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "offset", "nbytes"}:
-                raise StateSchemaError(f"{where} must have exactly dtype, shape, offset, nbytes")
-            dtype = dtype_from_name(raw["dtype"])
+            dtype = _DTYPES[raw["dtype"]]
             shape = raw["shape"]
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-                raise StateSchemaError(f"{where}.shape must be a list of non-negative integers")
             offset, nbytes = raw["offset"], raw["nbytes"]
-            if not (_is_int(offset) and _is_int(nbytes)) or offset < end or offset % ALIGNMENT:
+            if offset < end or offset % ALIGNMENT:
                 raise StateSchemaError(f"{where}: offset {offset!r} overlaps or is misaligned")
             numel = math.prod(shape)
             if nbytes != numel * torch.empty((), dtype=dtype).element_size():

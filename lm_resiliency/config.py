@@ -14,11 +14,23 @@ from typing import Any, Dict, Mapping, Optional
 
 # ConfigError, MAX_SECONDS and is_seconds live in _values so SCOUT's config shares them without
 # importing this module; they stay importable from here.
-from lm_resiliency._values import MAX_SECONDS, ConfigError, is_seconds
+from lm_resiliency._values import MAX_SECONDS, MAX_STEP_INTERVAL, ConfigError, is_seconds, is_step_interval
 from lm_resiliency._values import is_int as _is_int
 
 _MIB = 1024 * 1024
+# Replication chunk bounds: below MIN_CHUNK_BYTES the per-send overhead is the whole cost (a 1-byte
+# chunk is one send per byte); above MAX_CHUNK_BYTES one send holds a GiB in flight and nears
+# gloo's 32-bit message sizes.
+MIN_CHUNK_BYTES = 512
+MAX_CHUNK_BYTES = 1024 * _MIB
+# timeout_s at least this: below it every store read and send expires before one round trip
+# (timedelta's resolution is a microsecond; 1e-300 s is 0 to a process group).
+MIN_TIMEOUT_S = 0.01
 DEFAULT_REAP_OTHER_RUNS_AFTER_S = 24 * 3600.0
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, str) and value != "" and "\0" not in value
 
 
 def _require(condition: bool, cls: str, field: str, message: str) -> None:
@@ -69,20 +81,22 @@ class InMemoryCkptConfig:
         name = type(self).__name__
         for field in ("enable", "verify_integrity", "skip_replication_if_hsdp", "pin_memory", "check_finite"):
             _require(isinstance(getattr(self, field), bool), name, field, "must be True or False")
-        _require(_is_int(self.interval) and self.interval >= 1, name, "interval",
-                 f"must be a positive integer number of optimizer steps, got {self.interval!r}")
+        _require(is_step_interval(self.interval), name, "interval",
+                 f"must be a positive integer number of optimizer steps, at most {MAX_STEP_INTERVAL}, "
+                 f"got {self.interval!r}")
         _require(_is_int(self.replication_jump)
                  and (self.replication_jump == -1 or self.replication_jump >= 1),
                  name, "replication_jump",
                  f"must be -1 (one node width) or a positive rank distance, got {self.replication_jump!r}")
-        _require(_is_int(self.replication_chunk_size) and self.replication_chunk_size >= 1,
+        _require(_is_int(self.replication_chunk_size)
+                 and MIN_CHUNK_BYTES <= self.replication_chunk_size <= MAX_CHUNK_BYTES,
                  name, "replication_chunk_size",
-                 f"must be a positive number of bytes, got {self.replication_chunk_size!r}")
-        _require(_is_int(self.disk_flush_interval) and self.disk_flush_interval >= 0,
-                 name, "disk_flush_interval",
-                 f"must be >= 0 (0 disables periodic flush), got {self.disk_flush_interval!r}")
-        _require(isinstance(self.disk_folder, str) and self.disk_folder != "", name, "disk_folder",
-                 f"must be a non-empty path, got {self.disk_folder!r}")
+                 f"must be a number of bytes, at least {MIN_CHUNK_BYTES} and at most {MAX_CHUNK_BYTES} (1 GiB), "
+                 f"got {self.replication_chunk_size!r}")
+        _require(is_step_interval(self.disk_flush_interval, 0), name, "disk_flush_interval",
+                 f"must be from 0 (0 disables periodic flush) to {MAX_STEP_INTERVAL}, got {self.disk_flush_interval!r}")
+        _require(_is_path(self.disk_folder), name, "disk_folder",
+                 f"must be a non-empty path without NUL characters, got {self.disk_folder!r}")
         _require(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""
                                          and self.run_id.strip().lower() != "none"),
                  name, "run_id", f"must be None or a non-empty string other than 'none' (a placeholder "
@@ -90,12 +104,13 @@ class InMemoryCkptConfig:
         _require(isinstance(self.host_memory, str) and self.host_memory in ("shared", "heap"),
                  name, "host_memory", f"must be 'shared' or 'heap', got {self.host_memory!r}")
         _require(self.shared_memory_dir is None
-                 or (isinstance(self.shared_memory_dir, str) and self.shared_memory_dir.strip() != ""),
+                 or (_is_path(self.shared_memory_dir) and self.shared_memory_dir.strip() != ""),
                  name, "shared_memory_dir",
-                 f"must be None (default /dev/shm/lm-resiliency-<uid>) or a non-empty path, "
-                 f"got {self.shared_memory_dir!r}")
-        _require(is_seconds(self.timeout_s), name, "timeout_s",
-                 f"must be a positive, finite number of seconds, at most {MAX_SECONDS:g}, got {self.timeout_s!r}")
+                 f"must be None (default /dev/shm/lm-resiliency-<uid>) or a non-empty path without NUL "
+                 f"characters, got {self.shared_memory_dir!r}")
+        _require(is_seconds(self.timeout_s) and self.timeout_s >= MIN_TIMEOUT_S, name, "timeout_s",
+                 f"must be a finite number of seconds, at least {MIN_TIMEOUT_S:g} and at most {MAX_SECONDS:g}, "
+                 f"got {self.timeout_s!r}")
         _require(isinstance(self.reap_other_runs_after_s, (int, float))
                  and not isinstance(self.reap_other_runs_after_s, bool)
                  and not math.isnan(self.reap_other_runs_after_s) and self.reap_other_runs_after_s >= 0,

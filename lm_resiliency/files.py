@@ -63,6 +63,12 @@ def loads_strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 
 
+def json_copy(value: Any, *, default: Optional[Callable[[Any], Any]] = None) -> Any:
+    """`value` as every receiver of it as JSON sees it (tuples become lists, a deep copy); ValueError
+    for NaN/Infinity, TypeError for what JSON cannot hold unless `default` turns it into JSON."""
+    return json.loads(json.dumps(value, allow_nan=False, default=default))
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename in `directory` durable; filesystems without directory fsync are tolerated."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -82,11 +88,12 @@ def _fsync_fd(fd: int) -> None:
 
 
 def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
-                 temp_name: Optional[str] = None, dir_fd: Optional[int] = None) -> None:
+                 temp_name: Optional[str] = None, dir_fd: Optional[int] = None, mode: int = 0o600) -> None:
     """Make a file visible at `path` only complete: temp file, fsync, rename, fsync the dir.
 
     `data` is the bytes, or a function that streams them into the open temp file. The temp
-    file is created in the same directory (never through a symlink, mode 0600) under
+    file is created in the same directory (never through a symlink, `mode`: 0600 unless the file
+    is a user's own output, such as a report they asked for) under
     `temp_name`, or a random name; it is removed when anything fails before the rename. With
     `dir_fd`, `path` is a name inside that open directory (no path lookup can be redirected)."""
     if dir_fd is None:
@@ -99,7 +106,7 @@ def atomic_write(path: str, data: Union[bytes, Callable[[BinaryIO], None]], *,
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600, dir_fd=dir_fd)
     published = False
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask
+        os.fchmod(fd, mode)  # whatever the umask
         with os.fdopen(fd, "wb") as f:
             fd = -1
             if callable(data):
@@ -190,6 +197,9 @@ PRIVATE = "private"
 # Configuration a person wrote for the library (a policy file): this user's or root's, and not
 # writable by group or others (it may name code to import).
 CONFIG = "config"
+# A file a person named for this one call (a command-line input): any owner or mode and links
+# followed, as the person chose it; still only a regular file (never a FIFO) and size-bounded.
+INPUT = "input"
 _FILE_TRUST = {PRIVATE: 0o077, CONFIG: 0o022}
 
 
@@ -261,6 +271,15 @@ def array(items: Field, *, max_length: Optional[int] = 4096, nonempty: bool = Fa
     return Field(types=(list,), items=items, max_length=max_length, nonempty=nonempty, required=required)
 
 
+# Every value strict JSON decodes to.
+JSON_TYPES: Tuple[type, ...] = (dict, list, str, int, float, bool, type(None))
+
+
+def any_json(*, required: bool = True) -> Field:
+    """Any JSON value (a caller's own structure, checked by its owner)."""
+    return Field(types=JSON_TYPES, required=required)
+
+
 def nested(schema: "RecordSchema", *, required: bool = True) -> Field:
     return Field(types=(dict,), record=schema, required=required)
 
@@ -290,9 +309,9 @@ def _field_problem(value: Any, field: Field, path: str) -> Optional[str]:
         return f"{path} must be one of {list(field.choices)}, got {_shown(value)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if field.minimum is not None and value < field.minimum:
-            return f"{path} must be at least {field.minimum:g}, got {value!r}"
+            return f"{path} must be at least {_bound(field.minimum)}, got {value!r}"
         if field.maximum is not None and value > field.maximum:
-            return f"{path} must be at most {field.maximum:g}, got {value!r}"
+            return f"{path} must be at most {_bound(field.maximum)}, got {value!r}"
     if isinstance(value, (str, list, dict)):
         if field.nonempty and not value:
             return f"{path} must not be empty"
@@ -314,6 +333,11 @@ def _field_problem(value: Any, field: Field, path: str) -> Optional[str]:
     return None
 
 
+def _bound(limit: float) -> str:
+    """A range bound as written: 4294967295, not 4.29497e+09."""
+    return str(int(limit)) if float(limit).is_integer() else f"{limit:g}"
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -324,13 +348,16 @@ def _record_problem(doc: Any, schema: RecordSchema, prefix: str = "") -> Optiona
         return f"{prefix or 'the document '}is not a JSON object ({type(doc).__name__})"
     if schema.identity is not None:
         key, expected = schema.identity
-        if doc.get(key) != expected:
-            return (f"not a {schema.what} of this version: {prefix}{key} is {_shown(doc.get(key))}, "
-                    f"expected {expected!r}")
+        found = doc.get(key)
+        # `==` alone would take True for 1 and 1.0 for 1.
+        if type(found) is not type(expected) or found != expected:
+            shown = "nothing" if key not in doc else _shown(found)
+            return f"not a {schema.what} of this version: {prefix}{key}: expected {expected!r}, got {shown}"
     declared = set(schema.fields) | ({schema.identity[0]} if schema.identity else set())
-    unknown = sorted(set(doc) - declared)
+    unknown = sorted(set(doc) - declared, key=str)
     if unknown and not schema.open_keys:
-        return f"unknown keys {[prefix + k for k in unknown]} in a {schema.what}"
+        return (f"unknown key(s) {[prefix + str(k) for k in unknown]} in a {schema.what}; "
+                f"accepted: {sorted(declared)}")
     missing = sorted(k for k, f in schema.fields.items() if f.required and k not in doc)
     if missing:
         return f"missing keys {[prefix + k for k in missing]} in a {schema.what}"
@@ -351,17 +378,25 @@ def check_record(doc: Any, schema: RecordSchema, where: str, *,
     return doc
 
 
-def parse_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
-                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
-    """Bytes from a file, the store, shared memory or the wire -> a document satisfying `schema`."""
+def decode_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
+                  error: Type[RecordRejected] = RecordRejected) -> Any:
+    """The strict JSON value in `data` (at most `schema.max_bytes`), not yet checked against `schema`.
+    The error's `__cause__` is the decoder's exception: a UnicodeDecodeError or json.JSONDecodeError
+    means bytes that may still be changing (a reader may retry); anything else is a file that is
+    complete and not strict JSON (NaN, duplicate keys, too deep)."""
     size = len(data)
     if size > schema.max_bytes:
         raise error(f"{where}: a {schema.what} of {size} bytes; at most {schema.max_bytes} are accepted")
     try:
-        decoded = loads_strict_json(data.decode("utf-8") if isinstance(data, bytes) else data)
+        return loads_strict_json(data.decode("utf-8") if isinstance(data, bytes) else data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise error(f"{where}: not a {schema.what}: not valid JSON ({exc})") from None
-    return check_record(decoded, schema, where, error=error)
+        raise error(f"{where}: not a {schema.what}: not valid JSON ({exc})") from exc
+
+
+def parse_record(data: Union[bytes, str], schema: RecordSchema, where: str, *,
+                 error: Type[RecordRejected] = RecordRejected) -> Dict[str, Any]:
+    """Bytes from a file, the store, shared memory or the wire -> a document satisfying `schema`."""
+    return check_record(decode_record(data, schema, where, error=error), schema, where, error=error)
 
 
 def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
@@ -372,12 +407,19 @@ def encode_record(doc: Mapping[str, Any], schema: RecordSchema) -> bytes:
 
 
 def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVATE, dir_fd: Optional[int] = None,
-                    shown: Optional[str] = None, error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
-    """The bytes of `path` (None when it does not exist), after open_owned's checks for `trust`
-    (PRIVATE: this user's, no group/other access; CONFIG: this user's or root's, not group/other
-    writable) and a size bound; never blocks on a FIFO, never follows a link."""
-    owners = (os.geteuid(),) if trust == PRIVATE else (os.geteuid(), 0)
-    fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners, forbidden_mode=_FILE_TRUST[trust])
+                    shown: Optional[str] = None, uid: Optional[int] = None,
+                    error: Type[RecordRejected] = RecordRejected) -> Optional[bytes]:
+    """The bytes of `path` (None when it does not exist), after the checks for `trust` and a size
+    bound. PRIVATE: this user's (`uid`, default the effective uid), no group/other access; CONFIG:
+    this user's or root's, not group/other writable (both never follow a link, see open_owned);
+    INPUT: a file a person named, any owner, links followed. Never blocks on a FIFO."""
+    if trust == INPUT:
+        fd = _open_input(path, what, shown or path, error)
+    else:
+        me = os.geteuid() if uid is None else uid
+        owners = (me,) if trust == PRIVATE else (me, 0)
+        fd = open_owned(path, what, error, dir_fd=dir_fd, shown=shown, owners=owners,
+                        forbidden_mode=_FILE_TRUST[trust])
     if fd is None:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -385,6 +427,20 @@ def read_file_bytes(path: str, what: str, *, max_bytes: int, trust: str = PRIVAT
     if len(data) > max_bytes:
         raise error(f"{shown or path}: {what} is larger than {max_bytes} bytes; refusing to read it")
     return data
+
+
+def _open_input(path: str, what: str, shown: str, error: Type[RecordRejected]) -> Optional[int]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | CLOEXEC)  # never waits for a FIFO's writer
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise error(f"{shown}: cannot open {what}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{shown}: {what} is not a regular file; refusing to read it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def read_record(path: str, schema: RecordSchema, *, trust: str = PRIVATE, dir_fd: Optional[int] = None,
@@ -400,21 +456,53 @@ def write_record(path: str, doc: Mapping[str, Any], schema: RecordSchema) -> Non
     atomic_write(path, encode_record(doc, schema))
 
 
+def make_parents(path: str) -> None:
+    """Create the missing parent directories of a file the user named (as the umask allows): the
+    user's own folder, not a private one (the file itself is written 0600)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def ensure_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
     """The one private-directory policy: create `path` 0700 (missing parents as the umask allows),
     or accept an existing one only when it is a real directory (not a link) this user owns with no
     group/other access. An existing directory is never chmod-ed: a mode someone chose is theirs to
     change, and a directory that became accessible to others may already hold their files."""
-    parent = os.path.dirname(os.path.abspath(path))
+    os.close(open_private_dir(path, what, parents=True, error=error))
+
+
+def open_private_dir(path: str, what: str, *, dir_fd: Optional[int] = None, shown: Optional[str] = None,
+                     parents: bool = False, error: Type[RecordRejected] = RecordRejected) -> int:
+    """`ensure_private_dir` returning an open fd of the directory (`path` relative to `dir_fd` when
+    given; `shown` names it in messages). The checks run on the open fd, so a directory swapped
+    after the check is never the one used; `parents` creates missing parents (without `dir_fd`)."""
+    shown = path if shown is None else shown
     try:
-        if not os.path.isdir(parent):
+        parent = os.path.dirname(os.path.abspath(path))
+        if parents and dir_fd is None and not os.path.isdir(parent):
             os.makedirs(parent, exist_ok=True)
-        os.mkdir(path, 0o700)
+        os.mkdir(path, 0o700, dir_fd=dir_fd)
     except FileExistsError:
         pass
     except OSError as exc:
-        raise error(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
-    check_private_dir(path, what, error=error)
+        raise error(f"cannot create the {what} {shown}: {exc.strerror or exc}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        try:
+            info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise error(f"{what} {shown}: cannot open it: {exc.strerror or exc}") from None
+        raise error(_private_dir_problem(info, what, shown) or f"{what} {shown}: cannot open it: "
+                    f"{exc.strerror or exc}") from None
+    try:
+        problem = _private_dir_problem(os.fstat(fd), what, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise error(problem)
+    return fd
 
 
 def check_private_dir(path: str, what: str, *, error: Type[RecordRejected] = RecordRejected) -> None:
@@ -424,11 +512,20 @@ def check_private_dir(path: str, what: str, *, error: Type[RecordRejected] = Rec
         info = os.lstat(path)
     except OSError as exc:
         raise error(f"{what} {path}: cannot stat it: {exc.strerror or exc}") from None
+    problem = _private_dir_problem(info, what, path)
+    if problem is not None:
+        raise error(problem)
+
+
+def _private_dir_problem(info: os.stat_result, what: str, shown: str) -> Optional[str]:
+    if stat.S_ISLNK(info.st_mode):
+        return f"{what} {shown} is a symbolic link; refusing to follow it. Point it at a directory this user owns"
     if not stat.S_ISDIR(info.st_mode):
-        raise error(f"{what} {path} is not a directory (a link or a file); point it at a directory this user owns")
+        return f"{what} {shown} is not a directory; point it at a directory this user owns"
     if info.st_uid != os.geteuid():
-        raise error(f"{what} {path} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}); "
-                    "refusing to use it. Use a directory this user owns")
+        return (f"{what} {shown} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}); "
+                "refusing to use it. Use a directory this user owns")
     if info.st_mode & 0o077:
-        raise error(f"{what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: group/other access is not "
-                    "allowed. It is not changed for you; chmod 700 it or use another directory")
+        return (f"{what} {shown} has mode {stat.S_IMODE(info.st_mode):04o}: group/other access is not "
+                "allowed. It is not changed for you; chmod 700 it or use another directory")
+    return None

@@ -32,6 +32,7 @@ from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.files import RecordRejected, atomic_write, ensure_private_dir, open_owned
 from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices, nonfinite_values
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
@@ -505,21 +506,20 @@ class ResiliencySession:
         if self.manager is None:
             return []
         source_dir = self.manager.store.directory
-        relative = os.path.relpath(source_dir, self.manager.config.disk_folder)
-        target_dir = os.path.join(destination, relative)
-        os.makedirs(target_dir, mode=0o700, exist_ok=True)
+        target_dir = destination
+        for part in os.path.relpath(source_dir, self.manager.config.disk_folder).split(os.sep):
+            target_dir = os.path.join(target_dir, part)
+            ensure_private_dir(target_dir, "checkpoint copy directory")  # the run/rank layout, 0700
         copied = []
         for name in sorted(os.listdir(source_dir)):
-            if name.startswith("."):
-                continue
             source = os.path.join(source_dir, name)
-            if os.path.islink(source) or not os.path.isfile(source):
+            if name.startswith(".") or os.path.islink(source) or not os.path.isfile(source):
                 continue
-            temp = os.path.join(target_dir, f".{name}.copy-{os.getpid()}")
-            shutil.copyfile(source, temp)
-            with open(temp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(temp, os.path.join(target_dir, name))
+            fd = open_owned(source, "GEMINI file", RecordRejected)  # the checks again, on the open file
+            if fd is None:
+                continue
+            with os.fdopen(fd, "rb") as f:
+                atomic_write(os.path.join(target_dir, name), lambda out: shutil.copyfileobj(f, out))
             copied.append(os.path.join(target_dir, name))
         return copied
 

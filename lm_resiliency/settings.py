@@ -11,61 +11,118 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from lm_resiliency._values import is_int
-from lm_resiliency.config import ENABLE_ENV, ConfigError, InMemoryCkptConfig, read_policy_environment
-from lm_resiliency.files import loads_strict_json
+from lm_resiliency._values import MAX_STEP_INTERVAL, ConfigError
+from lm_resiliency.config import ENABLE_ENV, InMemoryCkptConfig, read_policy_environment
+from lm_resiliency.files import (CONFIG, Field, RecordRejected, RecordSchema, boolean, check_record, integer,
+                                 loads_strict_json, read_file_bytes, text)
 from lm_resiliency.recovery import RecoveryMode
 from lm_resiliency.scout.config import ReplayHarnessConfig
 
-# The keys every settings mapping accepts: a policy file, the DeepSpeed config's "lm_resiliency" section.
-SETTINGS_KEYS = ("interval", "checkpoint", "replay", "enable_checkpoint", "enable_detection", "recovery_mode")
 POLICY_SCHEMA_VERSION = 1
+# One bound for every policy file (the opt-in policy and torchrun's worker policy): a real one is
+# a few hundred bytes.
+POLICY_MAX_BYTES = 1024 * 1024
 # A policy file needs two levels (a table of tables); anything much deeper is not a policy.
 _MAX_POLICY_DEPTH = 16
+_TABLE = Field(types=(dict,), required=False)
+# The keys every settings mapping accepts: a policy file, the DeepSpeed config's "lm_resiliency" section.
+SETTINGS_FIELDS: Dict[str, Field] = {
+    "interval": integer(1, MAX_STEP_INTERVAL, required=False), "checkpoint": _TABLE, "replay": _TABLE,
+    "enable_checkpoint": boolean(required=False), "enable_detection": boolean(required=False),
+    "recovery_mode": text(choices=tuple(m.value for m in RecoveryMode), required=False)}
+SETTINGS_KEYS = tuple(SETTINGS_FIELDS)
+SETTINGS_SCHEMA = RecordSchema(what="resiliency settings table", fields=SETTINGS_FIELDS)
+POLICY_SCHEMA = RecordSchema(what="policy file", identity=("schema_version", POLICY_SCHEMA_VERSION),
+                             fields=SETTINGS_FIELDS, max_bytes=POLICY_MAX_BYTES)
+# Checkpoint paths a policy names: read by processes whose working directory the file cannot know.
+_POLICY_PATHS = ("disk_folder", "shared_memory_dir")
+
+
+class SettingsRejected(ConfigError, RecordRejected):
+    """A settings document (a policy file, the DeepSpeed config section) or its file is refused;
+    the message names the file or section and the field."""
 
 
 def read_settings(data: Any, where: str, field_prefix: str) -> Dict[str, Any]:
     """Validated `enable_resiliency` keyword arguments from a mapping of `SETTINGS_KEYS`:
     `interval` (int), `checkpoint` / `replay` (tables of InMemoryCkptConfig / ReplayHarnessConfig
     fields), `enable_checkpoint` / `enable_detection` (bool), `recovery_mode` ("latest" or
-    "recovery_verified"). Errors are ConfigError: `where` names the mapping, `field_prefix + key`
-    the offending field."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: must be an object/table, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(SETTINGS_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted keys: {list(SETTINGS_KEYS)}")
-    values: Dict[str, Any] = {}
-    if "interval" in data:
-        if not is_int(data["interval"]) or data["interval"] < 1:
-            raise ConfigError(f"{field_prefix}interval: must be a positive int, got {data['interval']!r}")
-        values["interval"] = data["interval"]
+    "recovery_verified"). Errors are SettingsRejected (a ConfigError): `where` names the mapping,
+    `field_prefix + key` the offending field."""
+    return settings_values(check_record(data, SETTINGS_SCHEMA, where, error=SettingsRejected), field_prefix)
+
+
+def settings_values(data: Mapping[str, Any], field_prefix: str) -> Dict[str, Any]:
+    """The keyword arguments of a settings mapping already checked against `SETTINGS_FIELDS`
+    (extra keys, such as a policy's `schema_version`, are left out)."""
+    values: Dict[str, Any] = {key: data[key] for key in ("interval", "enable_checkpoint", "enable_detection")
+                              if key in data}
     for key, cls in (("checkpoint", InMemoryCkptConfig), ("replay", ReplayHarnessConfig)):
         if key not in data:
             continue
         table = data[key]
-        if not isinstance(table, dict):
-            raise ConfigError(f"{field_prefix}{key}: must be an object/table of {cls.__name__} fields, got {table!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(table) - known)
         if bad:
-            raise ConfigError(f"{field_prefix}{key}: unknown {cls.__name__} field(s) {bad}; accepted: {sorted(known)}")
+            raise SettingsRejected(f"{field_prefix}{key}: unknown {cls.__name__} field(s) {bad}; "
+                                   f"accepted: {sorted(known)}")
+        if key == "checkpoint":
+            _check_paths(table, f"{field_prefix}{key}")
         try:
             values[key] = cls(**table)
         except ConfigError as exc:
-            raise ConfigError(f"{field_prefix}{key}: {exc}") from None
-    for key in ("enable_checkpoint", "enable_detection"):
-        if key in data:
-            if not isinstance(data[key], bool):
-                raise ConfigError(f"{field_prefix}{key}: must be true or false, got {data[key]!r}")
-            values[key] = data[key]
+            raise SettingsRejected(f"{field_prefix}{key}: {exc}") from None
+    # `[checkpoint] enable` and `enable_checkpoint` both switch GEMINI: two answers are a mistake.
+    if "enable_checkpoint" in data and "enable" in data.get("checkpoint", {}) \
+            and data["checkpoint"]["enable"] != data["enable_checkpoint"]:
+        raise SettingsRejected(f"{field_prefix}checkpoint.enable = {str(data['checkpoint']['enable']).lower()} "
+                               f"contradicts {field_prefix}enable_checkpoint = "
+                               f"{str(data['enable_checkpoint']).lower()}; keep one of them")
     if "recovery_mode" in data:
-        try:
-            values["recovery_mode"] = RecoveryMode(data["recovery_mode"])
-        except ValueError:
-            raise ConfigError(f"{field_prefix}recovery_mode: must be one of {[m.value for m in RecoveryMode]}, "
-                              f"got {data['recovery_mode']!r}") from None
+        values["recovery_mode"] = RecoveryMode(data["recovery_mode"])
     return values
+
+
+def _check_paths(table: Mapping[str, Any], where: str) -> None:
+    for name in _POLICY_PATHS:
+        value = table.get(name)
+        if isinstance(value, str) and "\0" not in value and not os.path.isabs(value):
+            raise SettingsRejected(f"{where}.{name}: must be an absolute path, got {value!r}: a settings file "
+                                   "is read by processes whose working directory it cannot know")
+
+
+def read_policy_file(path: str, where: str) -> bytes:
+    """The bytes of the policy file `path`: a regular file (never a link, never a FIFO) of this user
+    or root, not writable by group or others (it may name code to import), at most POLICY_MAX_BYTES.
+    SettingsRejected naming `where` otherwise."""
+    data = read_file_bytes(path, "policy file", max_bytes=POLICY_MAX_BYTES, trust=CONFIG, shown=where,
+                           error=SettingsRejected)
+    if data is None:
+        raise SettingsRejected(f"{where}: no such file exists")
+    return data
+
+
+def parse_policy_document(data: bytes, kind: str, where: str, schema: RecordSchema = POLICY_SCHEMA) -> Dict[str, Any]:
+    """A policy file's bytes (`kind` ".toml" or ".json") -> its table, checked against `schema`
+    (the version first). SettingsRejected naming `where` and the field otherwise."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SettingsRejected(f"{where}: not UTF-8 text: {exc}") from None
+    try:
+        if kind == ".toml":
+            import tomllib
+
+            doc = tomllib.loads(text)
+        else:
+            doc = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
+    except RecursionError:  # tomllib recurses per nested array/inline table
+        raise SettingsRejected(f"{where}: nested too deeply to be a policy file") from None
+    except ImportError:
+        raise SettingsRejected(f"{where}: TOML needs Python 3.11+ (tomllib); write the policy as .json") from None
+    except ValueError as exc:  # TOMLDecodeError, JSONDecodeError, duplicate keys, NaN, nesting
+        raise SettingsRejected(f"{where}: not valid {kind[1:].upper()}: {exc}") from None
+    return check_record(doc, schema, where, error=SettingsRejected)
 
 
 @dataclass(frozen=True)
@@ -123,42 +180,15 @@ class ResiliencyPolicy:
     @classmethod
     def from_file(cls, path: str) -> "ResiliencyPolicy":
         """A policy file: `schema_version = 1` and any of `SETTINGS_KEYS` (see `read_settings`)."""
-        if not os.path.isfile(path):
-            problem = "it is not a regular file" if os.path.exists(path) else "no such file exists"
-            raise ConfigError(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or .json), "
-                              f"and {problem}")
+        if not os.path.lexists(path):
+            raise SettingsRejected(f"{ENABLE_ENV}={path!r}: expected 1/0 or the path of a policy file (.toml or "
+                                   ".json), and no such file exists")
         where = f"policy file {path}"
         kind = os.path.splitext(path)[1].lower()
         if kind not in (".toml", ".json"):
-            raise ConfigError(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
-        try:
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
-        except OSError as exc:
-            raise ConfigError(f"{where}: cannot be read: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ConfigError(f"{where}: not UTF-8 text: {exc}") from None
-        try:
-            if kind == ".toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            else:
-                data = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
-        except RecursionError:  # tomllib recurses per nested array/inline table
-            raise ConfigError(f"{where}: nested too deeply to be a policy file") from None
-        except ImportError:
-            raise ConfigError(f"{where}: TOML needs Python 3.11+ (tomllib); write the policy as .json") from None
-        except ValueError as exc:  # TOMLDecodeError, JSONDecodeError, duplicate keys, NaN, nesting
-            raise ConfigError(f"{where}: not valid {kind[1:].upper()}: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected a table/object at the top level")
-        version = data.get("schema_version")
-        if not is_int(version) or version != POLICY_SCHEMA_VERSION:
-            raise ConfigError(f"{where}: schema_version: expected {POLICY_SCHEMA_VERSION}, got "
-                              f"{'nothing' if version is None else repr(version)}")
-        settings = {k: v for k, v in data.items() if k != "schema_version"}
-        return cls(source=path, **read_settings(settings, where, f"{where}: "))
+            raise SettingsRejected(f"{ENABLE_ENV}={path!r}: a policy file must end in .toml or .json")
+        table = parse_policy_document(read_policy_file(path, where), kind, where)
+        return cls(source=path, **settings_values(table, f"{where}: "))
 
     def arguments(self) -> Dict[str, Any]:
         """The `enable_resiliency` keyword arguments this policy sets (unset ones are left out)."""

@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.files import MAX_JSON_DEPTH, json_nesting
+from lm_resiliency.files import json_copy, loads_strict_json
 from lm_resiliency.tensor_bytes import tensor_bytes
 
 
@@ -19,13 +19,10 @@ def encode_json(value: Any) -> torch.Tensor:
 
 
 def decode_json(data: torch.Tensor) -> Any:
-    """The JSON document in `data`; ValueError if it is not UTF-8 JSON or nests deeper than
-    `files.MAX_JSON_DEPTH` (a peer's document never crashes the parser with RecursionError)."""
-    text = tensor_bytes(data).decode("utf-8")
-    depth = json_nesting(text)
-    if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"received JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
-    return json.loads(text)
+    """The JSON document in `data`; ValueError if it is not UTF-8 strict JSON (no NaN, no duplicate
+    keys) or nests deeper than `files.MAX_JSON_DEPTH` (a peer's document never crashes the parser
+    with RecursionError). What it holds is checked by its reader (a RecordSchema or the protocol)."""
+    return loads_strict_json(tensor_bytes(data).decode("utf-8"))
 
 
 _FIRST_ROUND_BYTES = 16384  # most agreement documents fit: one collective instead of two
@@ -39,7 +36,7 @@ def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None,
     only when some rank's document did not fit. `timeout_s` bounds each round (default: the
     group's own timeout)."""
     if not dist.is_initialized():
-        return [json.loads(json.dumps(value, allow_nan=False))]
+        return [json_copy(value)]
     world = dist.get_world_size(group)
     payload = encode_json(value)
     frame = torch.zeros(8 + _FIRST_ROUND_BYTES, dtype=torch.uint8)
@@ -70,7 +67,7 @@ def _all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Option
 def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
     """`value` from global rank `src` on every rank."""
     if not dist.is_initialized():
-        return json.loads(json.dumps(value, allow_nan=False))
+        return json_copy(value)
     is_src = dist.get_rank() == src
     payload = encode_json(value) if is_src else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)

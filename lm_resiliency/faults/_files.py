@@ -10,13 +10,15 @@ import os
 import time
 from typing import Iterator
 
+from lm_resiliency.files import CLOEXEC, NOFOLLOW
+
 _POLL_S = 0.005
 
 
 @contextlib.contextmanager
 def locked(lock_path: str, *, exclusive: bool = True, timeout_s: float = 30.0) -> Iterator[None]:
     """Hold an advisory `flock` on `lock_path` (created if missing); TimeoutError after timeout_s."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC, 0o600)  # never through a link
     try:
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
         deadline = time.monotonic() + timeout_s

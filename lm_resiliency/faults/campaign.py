@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
+import errno
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
+
+from lm_resiliency.files import CONFIG, atomic_write, read_file_bytes
 
 from ._fields import (ObjectReader, build, check_id, check_non_negative_int, check_str,
                       coerce_enum, fail, freeze_json, is_int, load_document, thaw_json)
@@ -23,6 +24,7 @@ from .schedule import ClockSpec, ClockType, IncidentLifetime, IncidentTrigger, R
 from .taxonomy import (DEFAULT_KINDS, MODULE_SURFACES, FailureType, FaultSurface, SafetyClass)
 
 SCHEMA_VERSION = 1
+MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 """Version of the campaign manifest format written by `FaultCampaign.to_json`."""
 
 
@@ -324,29 +326,18 @@ class FaultCampaign:
         return build(cls, path, **kwargs)
 
     def to_file(self, path: str) -> None:
-        """Write the manifest atomically (temp file, fsync, rename)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, temp = tempfile.mkstemp(prefix=".campaign-", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(), f, indent=2, sort_keys=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            raise
+        """Write the manifest atomically (temp file, fsync, rename; mode 0600)."""
+        atomic_write(path, (json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
     @classmethod
     def from_file(cls, path: str) -> "FaultCampaign":
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
+        """Read a manifest file: a regular file of this user or root, not writable by group or others
+        (it decides what is injected), at most MANIFEST_MAX_BYTES."""
+        data = read_file_bytes(path, "campaign manifest", max_bytes=MANIFEST_MAX_BYTES, trust=CONFIG)
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, "no campaign manifest", path)
         try:
-            return cls.from_json(text)
+            return cls.from_json(data)
         except CampaignSchemaError as exc:
             raise CampaignSchemaError(f"{path}: {exc.path}", exc.reason) from None
 

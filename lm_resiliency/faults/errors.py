@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from lm_resiliency.files import RecordRejected
 
-class CampaignSchemaError(ValueError):
+
+class CampaignSchemaError(RecordRejected):
     """A campaign object or manifest field is invalid.
 
     `path` names the field: ``FaultTarget.rank`` when an object is constructed directly,

@@ -8,10 +8,15 @@ import os
 import threading
 from typing import Iterable, List, Optional, Tuple
 
+from lm_resiliency.files import CONFIG, make_parents, read_file_bytes
+
 from ._files import locked
 from .records import FaultInjectionRecord
 
 logger = logging.getLogger(__name__)
+
+# A journal holds one short line per executed or refused fault.
+JOURNAL_MAX_BYTES = 256 * 1024 * 1024
 
 
 class CampaignJournal:
@@ -31,7 +36,7 @@ class CampaignJournal:
         self._memory: List[FaultInjectionRecord] = []
         self._lock = threading.Lock()
         if self._path is not None:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            make_parents(self._path)
 
     @property
     def path(self) -> Optional[str]:
@@ -68,10 +73,9 @@ class CampaignJournal:
         with self._lock:
             if self._path is None:
                 return tuple(self._memory)
-            try:
-                with open(self._path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
+            # Ground truth other processes append to: not writable by group or others.
+            data = read_file_bytes(self._path, "campaign journal", max_bytes=JOURNAL_MAX_BYTES, trust=CONFIG)
+            if data is None:
                 return ()
         lines = data.split(b"\n")
         tail = lines.pop()  # b"" when the file ends with a newline

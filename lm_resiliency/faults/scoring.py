@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional,
                     Sequence, Tuple)
 
-from lm_resiliency.files import atomic_write
+from lm_resiliency.files import atomic_write, json_copy
 
 from ._fields import (ObjectReader, build, check_non_negative_int, check_str, fail, freeze_json,
                       is_int, is_number, load_document, thaw_json)
@@ -157,7 +157,7 @@ _OUT_OF_BAND_KINDS = frozenset({"hang", "dataloader_stall", "checkpoint_io_stall
 def _plain_json(value: Any) -> Any:
     """Best-effort JSON view of report evidence (tuples -> lists, unknown objects -> repr)."""
     try:
-        return json.loads(json.dumps(value, default=repr, allow_nan=False))
+        return json_copy(value, default=repr)
     except ValueError:
         return {"unserializable": repr(value)}
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from lm_resiliency.config import ConfigError, env_resume_step
+from lm_resiliency.files import ensure_private_dir
 
 from .campaign import FaultCampaign, FaultIncident, FaultSpec
 from .corruption import derive_seed
@@ -548,7 +549,7 @@ class FaultInjectionSession:
             self._own_sandbox = True
         path = os.path.join(self._sandbox_root, f"rank-{self._rank}",
                             _SAFE_NAME.sub("_", act.occurrence_id))
-        os.makedirs(path, exist_ok=True)
+        ensure_private_dir(path, "fault sandbox directory")
         return path
 
     def _claim(self, act: _Activation) -> bool:

@@ -9,19 +9,24 @@ for a restart-stable occurrence and have exactly one of them win.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional
 
-from lm_resiliency.files import atomic_write
+from lm_resiliency.files import (CONFIG, Field, RecordSchema, atomic_write, encode_record, make_parents, parse_record,
+                                 read_file_bytes)
 
 from ._fields import check_json_ready
 from ._files import locked
 
 STATE_SCHEMA_VERSION = 1
 _CAS_ATTEMPTS = 1000
+_OBJECT = Field(types=(dict,), required=False)
+# The shared state file; tooling may keep more top-level keys beside claims and values.
+STATE_SCHEMA = RecordSchema(what="campaign state", identity=("schema_version", STATE_SCHEMA_VERSION),
+                            fields={"claims": _OBJECT, "values": _OBJECT}, open_keys=True,
+                            max_bytes=64 * 1024 * 1024)
 
 
 def empty_state() -> Dict[str, Any]:
@@ -130,30 +135,21 @@ class JsonCampaignStateStore(CampaignStateStore):
         self._path = os.path.abspath(os.fspath(path))
         self._lock_path = self._path + ".lock"
         self._timeout_s = float(timeout_s)
-        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        make_parents(self._path)
 
     @property
     def path(self) -> str:
         return self._path
 
     def _read(self) -> Dict[str, Any]:
-        try:
-            with open(self._path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
+        # Other processes steer injection through this file: not writable by group or others.
+        data = read_file_bytes(self._path, "campaign state", max_bytes=STATE_SCHEMA.max_bytes, trust=CONFIG)
+        if data is None:
             return empty_state()
-        try:
-            state = json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{self._path}: campaign state is not valid JSON: {exc}") from exc
-        state = _checked(state, self._path)
-        if state.get("schema_version") != STATE_SCHEMA_VERSION:
-            raise ValueError(f"{self._path}: campaign state schema_version "
-                             f"{state.get('schema_version')!r} is not {STATE_SCHEMA_VERSION}")
-        return state
+        return parse_record(data, STATE_SCHEMA, self._path)
 
     def _write(self, state: Dict[str, Any]) -> None:
-        atomic_write(self._path, json.dumps(state, sort_keys=True, allow_nan=False).encode("utf-8"))
+        atomic_write(self._path, encode_record(state, STATE_SCHEMA))
 
     def load(self) -> Dict[str, Any]:
         with locked(self._lock_path, exclusive=False, timeout_s=self._timeout_s):

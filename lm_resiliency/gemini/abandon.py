@@ -11,7 +11,6 @@ exchange failed (never on the healthy path), so the partner's error names the ra
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import timedelta
 from typing import Iterable, Optional
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency._torch_compat import default_store
+from lm_resiliency.files import RecordRejected, RecordSchema, encode_record, integer, parse_record, text
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 # never matches a real message.
 _CLOSE_TAG = 0
 _STORE_TIMEOUT = timedelta(seconds=2)
+NOTICE_SCHEMA = RecordSchema(what="GEMINI abandonment notice",
+                             fields={"step": integer(0), "reason": text(nonempty=False, max_length=None)})
 
 
 def close_links(group: dist.ProcessGroup, peer: int) -> None:
@@ -65,7 +67,7 @@ class AbandonBoard:
 
     def mark(self, rank: int, step: int, reason: str) -> None:
         try:
-            self._store.set(str(rank), json.dumps({"step": step, "reason": reason}))
+            self._store.set(str(rank), encode_record({"step": step, "reason": reason}, NOTICE_SCHEMA))
         except (RuntimeError, ValueError) as exc:
             logger.warning("GEMINI: could not record in the c10d store that rank %d stopped "
                            "replicating after step %d: %s", rank, step, exc)
@@ -77,9 +79,9 @@ class AbandonBoard:
             try:
                 if not self._store.check([str(rank)]):
                     continue
-                notice = json.loads(self._store.get(str(rank)).decode("utf-8"))
+                notice = parse_record(self._store.get(str(rank)), NOTICE_SCHEMA, f"store key {rank}")
                 notices.append(f"rank {rank} stopped replicating after step {notice['step']} "
                                f"({notice['reason']})")
-            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            except (RuntimeError, RecordRejected) as exc:
                 logger.debug("GEMINI: reading rank %d's notice failed: %s", rank, exc)
         return "; ".join(notices) or None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from lm_resiliency.config import MAX_CHUNK_BYTES
+
 _MIB = 1024 * 1024
 
 
@@ -19,7 +21,8 @@ def estimate_chunk_size(
     all-gather has ``layer_compute_ms - ag_time_ms`` of slack. A replication chunk queued
     ahead of it on the NIC delays it by ``chunk / bandwidth``. The bound allows that delay
     to be at most ``max_ag_delay_fraction`` of the layer's compute time and never more than
-    the slack itself. This is arithmetic on the numbers you measured, not a network probe.
+    the slack itself, within 1 MiB to 1 GiB (`replication_chunk_size` accepts at most 1 GiB).
+    This is arithmetic on the numbers you measured, not a network probe.
     """
     for name, value in (("nic_bandwidth_gbps", nic_bandwidth_gbps),
                         ("layer_compute_ms", layer_compute_ms),
@@ -40,4 +43,4 @@ def estimate_chunk_size(
     budget_ms = min(max_ag_delay_fraction * layer_compute_ms, slack_ms)
     bytes_per_ms = nic_bandwidth_gbps * 1e9 / 8 / 1e3
     chunk = int(bytes_per_ms * budget_ms) // _MIB * _MIB
-    return max(chunk, _MIB)
+    return min(max(chunk, _MIB), MAX_CHUNK_BYTES)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lm_resiliency import wire
 from lm_resiliency.config import ConfigError
 from lm_resiliency.codec import Layout
+from lm_resiliency.files import Field, RecordRejected, RecordSchema, any_json, check_record, integer, nullable, text
 from lm_resiliency.gemini.abandon import close_links
 from lm_resiliency.gemini.slots import HostSlot
 from lm_resiliency.tensor_bytes import tensor_bytes
@@ -104,6 +105,16 @@ def chunk_tails(payload: torch.Tensor, chunk_size: int) -> str:
     return tensor_bytes(tails.contiguous()).hex()
 
 
+# What a rank sends its partner before the replica's bytes (`PeerReplicator.exchange`).
+REPLICA_HEADER_SCHEMA = RecordSchema(what="GEMINI replica header", fields={
+    "step": integer(0), "owner_rank": integer(0), "layout": Field(types=(dict,)), "structure": any_json(),
+    "extra": nullable(Field(types=(dict,))), "tails": text(nonempty=False, max_length=None)})
+
+
+class ReplicaHeaderRejected(RuntimeError, RecordRejected):
+    """A partner's replica header is malformed or names another owner; nothing is received."""
+
+
 class PeerReplicator:
     """Sends our completed own slot and receives the peer's into a slot we choose.
 
@@ -148,10 +159,8 @@ class PeerReplicator:
         """(layout, expected chunk tails) of the peer's header, or a clear error before anything
         is allocated or received."""
         src = self.pairing.recv_from
-        missing = [k for k in ("step", "owner_rank", "layout", "structure", "extra", "tails")
-                   if not isinstance(header, dict) or k not in header]
-        if missing:
-            raise RuntimeError(f"GEMINI replication: the header from rank {src} lacks {missing}")
+        check_record(header, REPLICA_HEADER_SCHEMA, f"GEMINI replication: the header from rank {src}",
+                     error=ReplicaHeaderRejected)
         if header["owner_rank"] != src:
             raise RuntimeError(f"GEMINI replication: expected a replica from rank {src}, "
                                f"got one from rank {header['owner_rank']}")

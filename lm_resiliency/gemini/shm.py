@@ -71,11 +71,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
-from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned
+from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, open_owned
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure
+from lm_resiliency.files import (PRIVATE, Field, RecordRejected, RecordSchema, any_json, atomic_write, integer, nested,
+                                 nullable, open_private_dir, parse_record, read_file_bytes, text)
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
 
@@ -85,10 +86,18 @@ SHM_VERSION = 1
 SLOT_NAMES = ("own_a", "own_b", "peer_a", "peer_b")
 MAX_SLOTS = len(SLOT_NAMES)
 OWNER_FILE = "owner.json"
-_SIDECAR_KEYS = frozenset({"version", "run_id", "topology", "holder_rank", "slot", "owner_rank", "step",
-                           "layout", "structure", "extra", "crc32", "segment"})
-_OWNER_KEYS = frozenset({"version", "scope", "pid", "start_time"})
-_MAX_SIDECAR_BYTES = 512 * 1024 * 1024
+_OBJECT = Field(types=(dict,))
+_SEGMENT_SCHEMA = RecordSchema(what="slot segment description",
+                               fields={"size": integer(0), "dev": integer(0), "ino": integer(0)})
+# A slot's READY sidecar; its structure may describe a large state dict.
+SIDECAR_SCHEMA = RecordSchema(
+    what="shared-memory slot sidecar", identity=("version", SHM_VERSION), max_bytes=512 * 1024 * 1024,
+    fields={"run_id": text(max_length=None), "topology": text(max_length=None), "holder_rank": integer(0),
+            "slot": text(choices=SLOT_NAMES), "owner_rank": integer(0), "step": integer(0), "layout": _OBJECT,
+            "structure": any_json(), "extra": _OBJECT, "crc32": nullable(integer(0, 2 ** 32 - 1)),
+            "segment": nested(_SEGMENT_SCHEMA)})
+OWNER_SCHEMA = RecordSchema(what="rank directory owner record", identity=("version", SHM_VERSION), max_bytes=4096,
+                            fields={"scope": text(), "pid": integer(None), "start_time": nullable(integer(None))})
 NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
 _RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
@@ -103,7 +112,7 @@ class SharedMemoryUnavailable(OSError):
     """Shared-memory slots cannot be used here; the manager falls back to heap slots."""
 
 
-class SegmentRejected(Exception):
+class SegmentRejected(RecordRejected):
     """A predecessor's slot exists but must not be used. The message says which and why."""
 
 
@@ -184,10 +193,6 @@ def _unregister_host_memory(tensor: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def _loads(data: bytes) -> Any:
-    return loads_strict_json(data.decode("utf-8"))
 
 
 def _dumps(value: Any) -> bytes:
@@ -424,20 +429,9 @@ class SharedSlotArena:
                            "copy will not survive a worker crash", self._rank, name, step, self._dir, exc)
 
     def _write_atomic(self, final: str, data: bytes) -> None:
-        temp = f".{final}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self._fd)
-        try:
-            try:
-                os.fchmod(fd, 0o600)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.replace(temp, final, src_dir_fd=self._fd, dst_dir_fd=self._fd)
-        except BaseException:
-            self._unlink(temp)
-            raise
+        # The temp name carries scope and pid, so a dead writer's leftover is reaped (_reap_temps).
+        atomic_write(final, data, temp_name=f".{final}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}",
+                     dir_fd=self._fd)
 
     # -------------------------------------------------------------------- adoption
 
@@ -516,40 +510,22 @@ class SharedSlotArena:
         def bad(reason: str) -> SegmentRejected:
             return SegmentRejected(f"{path}: {reason}")
 
-        try:
-            doc = _loads(data)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise bad(f"sidecar is not strict JSON: {exc}") from exc
-        if not isinstance(doc, dict) or set(doc) != _SIDECAR_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise bad(f"sidecar keys {got} are not exactly {sorted(_SIDECAR_KEYS)}")
-        if doc["version"] != SHM_VERSION or not _is_int(doc["version"]):
-            raise bad(f"sidecar version {doc['version']!r} is not {SHM_VERSION}")
+        doc = parse_record(data, SIDECAR_SCHEMA, path, error=SegmentRejected)
         if doc["run_id"] != self._run_id:
             raise bad(f"wrong run id (sidecar {doc['run_id']!r}, expected {self._run_id!r})")
         if doc["topology"] != self._topology:
             raise bad(f"wrong topology (sidecar {doc['topology']!r}, expected {self._topology!r})")
-        if doc["holder_rank"] != self._rank or not _is_int(doc["holder_rank"]):
+        if doc["holder_rank"] != self._rank:
             raise bad(f"wrong holder rank (sidecar {doc['holder_rank']!r}, expected {self._rank})")
         if doc["slot"] != name:
             raise bad(f"wrong slot name (sidecar {doc['slot']!r}, expected {name!r})")
         expected_owner = self._rank if name.startswith("own") else self._peer_owner
-        if not _is_int(doc["owner_rank"]) or doc["owner_rank"] != expected_owner:
+        if doc["owner_rank"] != expected_owner:
             raise bad(f"wrong owner rank (sidecar {doc['owner_rank']!r}, expected {expected_owner})")
-        if not _is_int(doc["step"]) or doc["step"] < 0:
-            raise bad(f"step {doc['step']!r} is not a non-negative integer")
-        if not isinstance(doc["extra"], dict):
-            raise bad("extra is not a JSON object")
         crc = doc["crc32"]
-        if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
-            raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
         if self._verify and crc is None:
             raise bad("written without integrity checksum (verify_integrity=False); with "
                       "verify_integrity=True only checksummed slots are eligible")
-        seg = doc["segment"]
-        if (not isinstance(seg, dict) or set(seg) != {"size", "dev", "ino"}
-                or not all(_is_int(v) and v >= 0 for v in seg.values())):
-            raise bad("segment must be an object of non-negative integers size, dev, ino")
         try:
             layout = Layout.from_json(doc["layout"])
         except StateSchemaError as exc:
@@ -677,50 +653,13 @@ class SharedSlotArena:
         self._heap.pop(name, None)
 
     def _open_root(self) -> int:
-        parent = os.path.dirname(self._root)
-        if not os.path.isdir(parent):
-            if self._root == default_shared_memory_dir():
-                raise SharedMemoryUnavailable(errno.ENOENT, f"{parent} does not exist (no POSIX shared "
-                                              "memory filesystem on this host)")
-            os.makedirs(parent, exist_ok=True)
-        try:
-            os.mkdir(self._root, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(self._root)
-        _check_private(st, "shared-memory directory", self._root, self._uid, directory=True)
-        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
-        try:
-            st2 = os.fstat(fd)
-            if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
-                raise SegmentRejected(f"{self._root}: directory changed while it was opened")
-            if stat.S_IMODE(st2.st_mode) != 0o700:
-                os.fchmod(fd, 0o700)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        if self._root == default_shared_memory_dir() and not os.path.isdir(os.path.dirname(self._root)):
+            raise SharedMemoryUnavailable(errno.ENOENT, f"{os.path.dirname(self._root)} does not exist (no POSIX "
+                                          "shared memory filesystem on this host)")
+        return open_private_dir(self._root, "shared-memory directory", parents=True, error=SegmentRejected)
 
     def _private_subdir(self, parent_fd: int, name: str, path: str) -> int:
-        try:
-            os.mkdir(name, 0o700, dir_fd=parent_fd)
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent_fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise SegmentRejected(f"{path}: not a directory or a symbolic link; refusing to follow it") from exc
-            raise
-        try:
-            st = os.fstat(fd)
-            _check_private(st, "shared-memory directory", path, self._uid, directory=True)
-            if stat.S_IMODE(st.st_mode) != 0o700:
-                os.fchmod(fd, 0o700)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_private_dir(name, "shared-memory directory", dir_fd=parent_fd, shown=path, error=SegmentRejected)
 
     def _owner_doc(self) -> bytes:
         return _dumps({"version": SHM_VERSION, "scope": self._scope, "pid": os.getpid(),
@@ -753,16 +692,10 @@ class SharedSlotArena:
         """Publish a new rank directory (owner record inside) by rename; False if one appeared
         meanwhile (then it must be taken over like any existing one)."""
         temp = f".{self._rank_name}.tmp-{self._scope}-{os.getpid()}-{secrets.token_hex(6)}"
-        os.mkdir(temp, 0o700, dir_fd=ns_fd)
+        fd = self._private_subdir(ns_fd, temp, os.path.join(self._root, self._namespace, temp))
         try:
-            fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=ns_fd)
             try:
-                owner = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
-                                0o600, dir_fd=fd)
-                try:
-                    os.write(owner, self._owner_doc())
-                finally:
-                    os.close(owner)
+                atomic_write(OWNER_FILE, self._owner_doc(), dir_fd=fd)
             finally:
                 os.close(fd)
             os.rename(temp, self._rank_name, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
@@ -854,22 +787,8 @@ class SharedSlotArena:
                     pass
 
     def _read_owned(self, name: str, what: str) -> Optional[bytes]:
-        fd = self._open_owned(name, what, os.O_RDONLY)
-        if fd is None:
-            return None
-        try:
-            st = os.fstat(fd)
-            if st.st_size > _MAX_SIDECAR_BYTES:
-                raise SegmentRejected(f"{os.path.join(self._dir, name)}: {what} of {st.st_size} bytes is too large")
-            chunks = []
-            while True:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        return read_file_bytes(name, what, max_bytes=SIDECAR_SCHEMA.max_bytes, trust=PRIVATE, dir_fd=self._fd,
+                               shown=os.path.join(self._dir, name), uid=self._uid, error=SegmentRejected)
 
     def _open_owned(self, name: str, what: str, mode: int) -> Optional[int]:
         """Open a private regular file of ours in the rank directory without following symlinks."""
@@ -898,25 +817,13 @@ class SharedSlotArena:
 
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
     """The owner record of the rank directory open as `dir_fd`, or None if missing or invalid."""
+    where = os.path.join(path, OWNER_FILE)
     try:
-        fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
-    except OSError:
+        data = read_file_bytes(OWNER_FILE, "owner record", max_bytes=OWNER_SCHEMA.max_bytes, trust=PRIVATE,
+                               dir_fd=dir_fd, shown=where, uid=uid, error=SegmentRejected)
+        return None if data is None else parse_record(data, OWNER_SCHEMA, where, error=SegmentRejected)
+    except (SegmentRejected, OSError):
         return None
-    try:
-        st = os.fstat(fd)
-        _check_private(st, "owner record", os.path.join(path, OWNER_FILE), uid, directory=False)
-        if st.st_size > 4096:
-            return None
-        doc = _loads(os.read(fd, 4096))
-    except (SegmentRejected, OSError, UnicodeDecodeError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if (not isinstance(doc, dict) or set(doc) != _OWNER_KEYS or doc["version"] != SHM_VERSION
-            or not isinstance(doc["scope"], str) or not _is_int(doc["pid"])
-            or not (doc["start_time"] is None or _is_int(doc["start_time"]))):
-        return None
-    return doc
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,6 @@ import pickle
 import re
 import secrets
 import socket
-import stat
 import time
 import zipfile
 from dataclasses import dataclass
@@ -57,7 +56,9 @@ import torch
 
 from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.checksum import crc32, tensor_crc32
-from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
+from lm_resiliency.files import (MAX_JSON_DEPTH, PRIVATE, Field, RecordRejected, RecordSchema, any_json, atomic_write,
+                                 check_record, decode_record, ensure_private_dir, fsync_dir, integer, nullable,
+                                 open_owned, parse_record, read_file_bytes, text)
 
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 
@@ -72,10 +73,18 @@ STATUS_RETRY_CAP_S = 5.0
 STATUS_RETRY_SLEEP_S = 0.05
 
 _KINDS = ("own", "peer")
-_METADATA_KEYS = frozenset({"format_version", "run_id", "topology", "owner_rank", "holder_rank",
-                            "kind", "step", "layout", "structure", "extra", "crc32"})
 _TOP_KEYS = frozenset({"format_version", "metadata", "payload"})
-_STATUS_KEYS = frozenset({"format_version", "run_id", "topology", "rank", "status"})
+_OBJECT = Field(types=(dict,))
+# The JSON metadata inside a shard file; its structure may describe a large state dict.
+SHARD_METADATA_SCHEMA = RecordSchema(
+    what="GEMINI shard metadata", identity=("format_version", FORMAT_VERSION), max_bytes=256 * 1024 * 1024,
+    fields={"run_id": text(max_length=None), "topology": text(max_length=None), "owner_rank": integer(0),
+            "holder_rank": integer(0), "kind": text(choices=_KINDS), "step": integer(0), "layout": _OBJECT,
+            "structure": any_json(), "extra": _OBJECT, "crc32": nullable(integer(0, 2 ** 32 - 1))})
+STATUS_SCHEMA = RecordSchema(
+    what="GEMINI status sidecar", identity=("format_version", FORMAT_VERSION), max_bytes=16 * 1024 * 1024,
+    fields={"run_id": text(max_length=None), "topology": text(max_length=None), "rank": integer(0),
+            "status": _OBJECT})
 
 _OWN_RE = re.compile(r"own-(\d{12,})\.gemini")
 _PEER_RE = re.compile(r"peer-(\d{5,})-(\d{12,})\.gemini")
@@ -89,12 +98,17 @@ _LEGACY_HINT = ("legacy or unknown GEMINI node-local formats are not loadable by
                 "resume from the framework's durable checkpoint")
 
 
-class ShardRejected(Exception):
+class ShardRejected(RecordRejected):
     """A shard file exists (or was asked for) but must not be used. The message names the file."""
 
 
-class StatusRejected(Exception):
+class StatusRejected(RecordRejected):
     """A status sidecar is persistently malformed or belongs to another run, topology or rank."""
+
+
+class NodeLocalDirRejected(RecordRejected, PermissionError):
+    """A GEMINI node-local directory is not private to this user (a link, a file, another owner,
+    group/other access) or cannot be created. An OSError too, as it was before the record layer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,13 +325,8 @@ class NodeLocalStore:
         self._uid = os.geteuid()
         namespace_dir = os.path.join(self._root, run_namespace(run_id, topology))
         self._dir = os.path.join(namespace_dir, f"rank-{rank:05d}")
-        try:
-            os.makedirs(self._root, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create GEMINI node-local root: {exc.strerror}",
-                          self._root) from exc
-        self._make_private_dir(namespace_dir)
-        self._make_private_dir(self._dir)
+        ensure_private_dir(namespace_dir, "GEMINI node-local directory", error=NodeLocalDirRejected)
+        ensure_private_dir(self._dir, "GEMINI node-local directory", error=NodeLocalDirRejected)
         # Flushes killed mid-write leave temp files; their step may never be written again (the
         # shm tier recovers it from memory), so they are reaped now, not at the next write.
         self._reap_temps()
@@ -497,38 +506,19 @@ class NodeLocalStore:
             if data is None:
                 return None
             try:
-                doc = loads_strict_json(data.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                doc = decode_record(data, STATUS_SCHEMA, path, error=StatusRejected)
+            except StatusRejected as exc:
+                # Undecodable bytes may be a file seen mid-replacement; strict-JSON violations
+                # (NaN, duplicate keys, nesting) are a complete file and refused at once.
+                if not isinstance(exc.__cause__, (UnicodeDecodeError, json.JSONDecodeError)):
+                    raise
                 if time.monotonic() >= deadline:
-                    raise StatusRejected(f"{path}: status sidecar is malformed after {attempts} reads "
-                                         f"({exc}); refusing to trust it") from exc
+                    raise StatusRejected(f"{exc}: malformed after {attempts} reads; refusing to trust it") from None
                 time.sleep(STATUS_RETRY_SLEEP_S)
                 continue
-            except ValueError as exc:  # decodes, but is not strict JSON (NaN, duplicate keys)
-                raise StatusRejected(f"{path}: status sidecar is not strict JSON: {exc}") from exc
             return self._checked_status(doc, path)
 
     # ------------------------------------------------------------------ internals
-
-    def _make_private_dir(self, path: str) -> None:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create GEMINI node-local directory: {exc.strerror}",
-                          path) from exc
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise PermissionError(errno.EPERM, "GEMINI node-local directory is a symbolic link; "
-                                  "refusing to follow it", path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(errno.ENOTDIR, "GEMINI node-local path is not a directory", path)
-        if st.st_uid != self._uid:
-            raise PermissionError(errno.EPERM, f"GEMINI node-local directory is owned by uid "
-                                  f"{st.st_uid}, not by this process (uid {self._uid})", path)
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(path, 0o700)
 
     def _listdir(self) -> List[str]:
         try:
@@ -657,22 +647,7 @@ class NodeLocalStore:
         metadata = obj["metadata"]
         if not isinstance(metadata, str):
             raise bad("metadata is not a JSON string")
-        try:
-            meta = loads_strict_json(metadata)
-        except ValueError as exc:
-            raise bad(f"metadata is not valid JSON: {exc}") from exc
-        if not isinstance(meta, dict) or set(meta) != _METADATA_KEYS:
-            got = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-            raise bad(f"metadata keys {got} are not exactly {sorted(_METADATA_KEYS)}")
-        if meta["format_version"] != FORMAT_VERSION or not _is_int(meta["format_version"]):
-            raise bad(f"metadata format_version {meta['format_version']!r} is not {FORMAT_VERSION}; "
-                      f"{_LEGACY_HINT}")
-        for field in ("run_id", "topology", "kind"):
-            if not isinstance(meta[field], str):
-                raise bad(f"metadata {field} is not a string")
-        for field in ("owner_rank", "holder_rank", "step"):
-            if not _is_int(meta[field]):
-                raise bad(f"metadata {field} is not an integer")
+        meta = parse_record(metadata, SHARD_METADATA_SCHEMA, path, error=ShardRejected)
         if meta["run_id"] != self._run_id:
             raise bad(f"wrong run id (file {meta['run_id']!r}, expected {self._run_id!r})")
         if meta["topology"] != self._topology:
@@ -687,11 +662,7 @@ class NodeLocalStore:
             raise bad(f"wrong holder rank (file {meta['holder_rank']}, expected {self._rank})")
         if key.kind == "own" and meta["owner_rank"] != meta["holder_rank"]:
             raise bad("an 'own' shard whose owner rank differs from its holder rank")
-        if not isinstance(meta["extra"], dict):
-            raise bad("metadata extra is not a JSON object")
         crc = meta["crc32"]
-        if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
-            raise bad(f"metadata crc32 {crc!r} is not a 32-bit unsigned integer")
         try:
             layout = Layout.from_json(meta["layout"])
         except StateSchemaError as exc:
@@ -722,12 +693,9 @@ class NodeLocalStore:
                      payload=payload, extra=meta["extra"])
 
     def _read_status_bytes(self, path: str) -> Optional[bytes]:
-        fd = open_owned(path, "status sidecar", StatusRejected, uid=self._uid)
-        if fd is None:
-            return None
         try:
-            with os.fdopen(fd, "rb") as f:
-                return f.read()
+            return read_file_bytes(path, "status sidecar", max_bytes=STATUS_SCHEMA.max_bytes, trust=PRIVATE,
+                                   error=StatusRejected)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot read GEMINI status sidecar: {exc.strerror}", path) from exc
 
@@ -735,24 +703,17 @@ class NodeLocalStore:
         def bad(reason: str) -> StatusRejected:
             return StatusRejected(f"{path}: {reason}; refusing to trust it")
 
-        if not isinstance(doc, dict) or set(doc) != _STATUS_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise bad(f"status sidecar keys {got} are not exactly {sorted(_STATUS_KEYS)}")
-        version = doc["format_version"]
-        if not _is_int(version) or version != FORMAT_VERSION:
-            raise bad(f"status format_version {version!r} is not {FORMAT_VERSION}")
+        check_record(doc, STATUS_SCHEMA, path, error=StatusRejected)
         if doc["run_id"] != self._run_id:
             raise bad(f"wrong run id (file {doc['run_id']!r}, expected {self._run_id!r})")
         if doc["topology"] != self._topology:
             raise bad(f"wrong topology (file {doc['topology']!r}, expected {self._topology!r})")
-        if not _is_int(doc["rank"]) or doc["rank"] != self._rank:
+        if doc["rank"] != self._rank:
             raise bad(f"wrong rank (file {doc['rank']!r}, expected {self._rank})")
-        if not isinstance(doc["status"], dict):
-            raise bad("status is not a JSON object")
         return doc["status"]
 
 
 __all__ = [
-    "FORMAT_VERSION", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
+    "FORMAT_VERSION", "NodeLocalDirRejected", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
     "attachment", "run_namespace", "temp_scope",
 ]

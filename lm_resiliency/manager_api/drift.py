@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from lm_resiliency._values import is_int
+from lm_resiliency.files import loads_strict_json
 
 FINGERPRINT_VERSION = 1
 
@@ -75,7 +76,7 @@ def local_fingerprint(*, extra: Optional[Mapping[str, Any]] = None, optimizer: A
         if not isinstance(extra, Mapping):
             raise TypeError(f"local_fingerprint(extra=...): must be a mapping of field name to JSON "
                             f"value, got {type(extra).__name__}")
-        fingerprint["extra"] = json.loads(_canonical_json(dict(extra), "local_fingerprint(extra=...)"))
+        fingerprint["extra"] = loads_strict_json(_canonical_json(dict(extra), "local_fingerprint(extra=...)"))
     return fingerprint
 
 
@@ -272,7 +273,7 @@ def _flatten(document: Mapping[str, Any], where: str, prefix: str = "") -> Dict[
 
 def _field_drift(holders: Dict[str, List[int]]) -> Dict[str, Any]:
     values = [{"missing": True, "ranks": ranks} if key == "missing"
-              else {"value": json.loads(key), "ranks": ranks}
+              else {"value": loads_strict_json(key), "ranks": ranks}
               for key, ranks in sorted(holders.items(), key=lambda item: (-len(item[1]), item[1][0]))]
     leader, runner_up = values[0], values[1]
     if len(leader["ranks"]) > len(runner_up["ranks"]):

@@ -9,6 +9,7 @@ not parse, or whose fields are not exactly the schema, is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,19 +23,28 @@ import torch.distributed as dist
 from lm_resiliency._values import is_int
 from lm_resiliency.checksum import crc32
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure
-from lm_resiliency.files import loads_strict_json
+from lm_resiliency.files import (Field, RecordRejected, RecordSchema, any_json, array, boolean, check_record,
+                                 decode_record, encode_record, integer, text)
 from lm_resiliency.wire import MAX_JSON_BYTES
 
 RECORD_VERSION = 1
 _PREFIX = "lm_resiliency/transfer/v1"
-_RECORD_KEYS = frozenset({"version", "run_id", "step", "source_rank", "sender", "receiver", "nonce",
-                          "topology", "layout", "structure", "extra", "total_bytes", "chunk_size",
-                          "chunk_crc32", "metadata_crc32"})
-_VERDICT_KEYS = frozenset({"ok", "reason"})
 _NONCE = re.compile(r"[0-9a-f]{1,64}")
+_CRC = integer(0, 2 ** 32 - 1)
+_OBJECT = Field(types=(dict,))
+# A sender's offer (`TransferRecord.to_json`) and a receiver's answer, as they travel in the store.
+RECORD_SCHEMA = RecordSchema(what="checkpoint transfer record", identity=("version", RECORD_VERSION),
+                             max_bytes=MAX_JSON_BYTES, fields={
+                                 "run_id": text(max_length=None), "step": integer(0), "source_rank": integer(0),
+                                 "sender": integer(0), "receiver": integer(0), "nonce": text(max_length=64),
+                                 "topology": text(max_length=None), "layout": _OBJECT, "structure": any_json(),
+                                 "extra": _OBJECT, "total_bytes": integer(0), "chunk_size": integer(0),
+                                 "chunk_crc32": array(_CRC, max_length=None), "metadata_crc32": _CRC})
+VERDICT_SCHEMA = RecordSchema(what="checkpoint transfer answer",
+                              fields={"ok": boolean(), "reason": text(nonempty=False, max_length=None)})
 
 
-class TransferRefused(RuntimeError):
+class TransferRefused(RuntimeError, RecordRejected):
     """A transfer was refused (bad offer, corrupt chunk, wrong endpoint); nothing was published."""
 
 
@@ -117,24 +127,10 @@ class TransferRecord:
     @staticmethod
     def from_json(doc: Any) -> "TransferRecord":
         """The record in `doc`; TransferRefused when its fields are not exactly the schema."""
-        if not isinstance(doc, dict) or set(doc) != _RECORD_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise TransferRefused(f"transfer record fields {got} are not exactly {sorted(_RECORD_KEYS)}")
-        if doc["version"] != RECORD_VERSION or not is_int(doc["version"]):
-            raise TransferRefused(f"transfer record version {doc['version']!r} is not {RECORD_VERSION}")
-        for name in ("step", "source_rank", "sender", "receiver", "total_bytes", "chunk_size", "metadata_crc32"):
-            if not is_int(doc[name]) or doc[name] < 0:
-                raise TransferRefused(f"transfer record {name} {doc[name]!r} is not a non-negative int")
-        for name in ("run_id", "topology"):
-            if not isinstance(doc[name], str) or not doc[name]:
-                raise TransferRefused(f"transfer record {name} {doc[name]!r} is not a non-empty string")
-        if not isinstance(doc["nonce"], str) or not _NONCE.fullmatch(doc["nonce"]):
+        check_record(doc, RECORD_SCHEMA, "transfer record", error=TransferRefused)
+        if not _NONCE.fullmatch(doc["nonce"]):
             raise TransferRefused(f"transfer record nonce {doc['nonce']!r} is not 1 to 64 lowercase hex digits")
         crcs = doc["chunk_crc32"]
-        if not isinstance(crcs, list) or not all(is_int(c) and 0 <= c < 2 ** 32 for c in crcs):
-            raise TransferRefused("transfer record chunk_crc32 is not a list of 32-bit checksums")
-        if not isinstance(doc["layout"], dict) or not isinstance(doc["extra"], dict):
-            raise TransferRefused("transfer record layout and extra must be JSON objects")
         key = TransferKey(doc["run_id"], doc["step"], doc["source_rank"])
         return TransferRecord(key, doc["sender"], doc["receiver"], doc["nonce"], doc["topology"], doc["layout"],
                               doc["structure"], doc["extra"], doc["total_bytes"], doc["chunk_size"],
@@ -200,15 +196,15 @@ class TransferMetadataStore:
         return f"{_PREFIX}/{run}/step-{key.step}/rank-{key.source_rank}/{sender}-to-{receiver}"
 
     def publish(self, record: TransferRecord) -> None:
-        doc = json.dumps(record.to_json(), allow_nan=False, separators=(",", ":"))
-        self.store.set(self.prefix(record.key, record.sender, record.receiver) + "/offer", doc.encode("utf-8"))
+        self.store.set(self.prefix(record.key, record.sender, record.receiver) + "/offer",
+                       encode_record(record.to_json(), RECORD_SCHEMA))
 
     def fetch(self, key: TransferKey, sender: int, receiver: int) -> TransferRecord:
         """The offer of `key` from `sender` to `receiver`, waiting at most `timeout_s` for it.
         TimeoutError when it never appears; TransferRefused when it is not a valid record."""
         name = self.prefix(key, sender, receiver) + "/offer"
         raw = self._wait_get(name, f"rank {sender} to offer {key} to rank {receiver}")
-        doc = self._decode(raw, f"the offer of {key} from rank {sender}")
+        doc = self._decode(raw, f"the offer of {key} from rank {sender}", RECORD_SCHEMA)
         try:
             record = TransferRecord.from_json(doc)
         except TransferRefused as exc:
@@ -229,18 +225,16 @@ class TransferMetadataStore:
         self._set_answer(f"{self.prefix(key, sender, receiver)}/{nonce}/{stage}", reason)
 
     def _set_answer(self, name: str, reason: Optional[str]) -> None:
-        doc = json.dumps({"ok": reason is None, "reason": reason or ""}, separators=(",", ":"))
-        self.store.set(name, doc.encode("utf-8"))
+        self.store.set(name, encode_record({"ok": reason is None, "reason": reason or ""}, VERDICT_SCHEMA))
 
     def wait_answer(self, record: TransferRecord, stage: str) -> Optional[str]:
         """The receiver's answer at `stage`: None when it is fine, else its reason."""
         raw = self._wait_get(f"{self.prefix(record.key, record.sender, record.receiver)}/{record.nonce}/{stage}",
                              f"rank {record.receiver} to {'accept' if stage == 'accept' else 'confirm'} "
                              f"the transfer of {record.key}")
-        doc = self._decode(raw, f"rank {record.receiver}'s answer")
-        if (not isinstance(doc, dict) or set(doc) != _VERDICT_KEYS or not isinstance(doc["ok"], bool)
-                or not isinstance(doc["reason"], str)):
-            raise TransferRefused(f"rank {record.receiver}'s answer to the transfer of {record.key} is malformed")
+        doc = self._decode(raw, f"rank {record.receiver}'s answer to the transfer of {record.key}", VERDICT_SCHEMA)
+        doc = check_record(doc, VERDICT_SCHEMA, f"rank {record.receiver}'s answer to the transfer of {record.key}",
+                           error=TransferRefused)
         return None if doc["ok"] else doc["reason"] or "no reason given"
 
     def pair_prefix(self, record: TransferRecord) -> str:
@@ -254,10 +248,8 @@ class TransferMetadataStore:
             raise TimeoutError(f"checkpoint transfer: waited {self.timeout_s}s for {what}; the peer failed, "
                                f"has not reached the transfer, or uses another key or store ({exc})") from exc
 
-    def _decode(self, raw: bytes, what: str) -> Any:
-        if len(raw) > self._max_record_bytes:
-            raise TransferRefused(f"{what} is {len(raw)} bytes; at most {self._max_record_bytes} are accepted")
-        try:
-            return loads_strict_json(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise TransferRefused(f"{what} is not strict JSON: {exc}") from exc
+    def _decode(self, raw: bytes, what: str, schema: RecordSchema) -> Any:
+        """The strict JSON in `raw` (size-bounded), not yet checked: an offer that fails its schema
+        is still answered (its nonce tells the waiting sender why)."""
+        return decode_record(raw, dataclasses.replace(schema, max_bytes=self._max_record_bytes), what,
+                             error=TransferRefused)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lm_resiliency._values import MAX_SECONDS, ConfigError, is_int, is_seconds
+from lm_resiliency._values import MAX_SECONDS, MAX_STEP_INTERVAL, ConfigError, is_int, is_seconds, is_step_interval
 from lm_resiliency.scout.alltoall_policy import AllToAllReplayPolicy, BalancedAndPermutationPolicy
 from lm_resiliency.scout.moe_workload import ReplayWorkload
 
@@ -74,12 +74,15 @@ class ReplayHarnessConfig:
             if not ok:
                 raise ConfigError(f"{name}.{field}: {message}, got {getattr(self, field)!r}")
 
-        require(is_int(self.check_interval) and self.check_interval >= 0, "check_interval",
-                "must be a non-negative integer number of optimizer steps (0: periodic replay off)")
+        require(is_int(self.check_interval) and (self.check_interval == 0 or is_step_interval(self.check_interval)),
+                "check_interval", "must be a non-negative integer number of optimizer steps (0: periodic replay "
+                f"off), at most {MAX_STEP_INTERVAL}")
         for field in ("embedding_check_interval", "hidden_check_interval", "output_check_interval",
                       "optimizer_check_interval", "communication_probe_interval"):
-            require(_steps_or_none(getattr(self, field)), field,
-                    "must be None (inherit check_interval), 0 (off) or a positive integer")
+            value = getattr(self, field)
+            require(value is None or value == 0 and is_int(value) or is_step_interval(value), field,
+                    "must be None (inherit check_interval), 0 (off) or a positive integer, at most "
+                    f"{MAX_STEP_INTERVAL}")
         for field in ("rotate_layers", "capture_inputs_by_value"):
             require(isinstance(getattr(self, field), bool), field, "must be True or False")
         require(_positive_int_or_none(self.optimizer_check_max_elements), "optimizer_check_max_elements",

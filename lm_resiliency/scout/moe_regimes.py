@@ -28,11 +28,12 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
+from lm_resiliency.files import (INPUT, RecordRejected, RecordSchema, array, atomic_write, boolean, check_record,
+                                 decode_record, integer, nested, read_file_bytes, text)
 from lm_resiliency.scout.moe_workload import CATALOG_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -43,68 +44,48 @@ REQUEST_SCHEMA = "lm-resiliency/moe-regime-request/v1"
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 
 
-class RegimeInputError(ValueError):
+class RegimeInputError(RecordRejected):
     """An input document breaks its schema; the message names the file and the field."""
 
 
-def _int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+_COUNTS = array(integer(0), nonempty=True, max_length=None)
+_NAMES = array(text(), nonempty=True, max_length=None)
+ENVIRONMENT_DOC = RecordSchema(what="MoE environment", identity=("schema", ENVIRONMENT_SCHEMA),
+                               max_bytes=MAX_INPUT_BYTES, fields={
+                                   "environment_id": text(), "local_experts": integer(1), "alignment": integer(1),
+                                   "regime_boundaries": _COUNTS})
+REQUEST_DOC = RecordSchema(what="MoE regime request", identity=("schema", REQUEST_SCHEMA), max_bytes=MAX_INPUT_BYTES,
+                           fields={"layers": _NAMES, "max_recipes": integer(1), "require_complete": boolean()})
+_OBSERVATION = RecordSchema(what="MoE observation",
+                            fields={"layer": text(), "step": integer(0), "tokens_per_expert": _COUNTS})
+OBSERVATIONS_DOC = RecordSchema(what="MoE observations", identity=("schema", OBSERVATIONS_SCHEMA),
+                                max_bytes=MAX_INPUT_BYTES,
+                                fields={"observations": array(nested(_OBSERVATION), max_length=None)})
 
 
-def _fields(doc: Any, where: str, schema: str, expected: Dict[str, Any]) -> Dict[str, Any]:
-    if not isinstance(doc, dict):
-        raise RegimeInputError(f"{where}: must be a JSON object, got {type(doc).__name__}")
-    if doc.get("schema") != schema:
-        raise RegimeInputError(f"{where}: schema must be {schema!r}, got {doc.get('schema')!r}")
-    keys = set(doc) - {"schema"}
-    if keys != set(expected):
-        missing, unknown = sorted(set(expected) - keys), sorted(keys - set(expected))
-        raise RegimeInputError(f"{where}: " + "; ".join(
-            part for part in (f"missing fields {missing}" if missing else "",
-                              f"unknown fields {unknown}" if unknown else "") if part))
-    for key, check in expected.items():
-        if not check(doc[key]):
-            raise RegimeInputError(f"{where}.{key}: invalid value {doc[key]!r}")
-    return doc
-
-
-def _load(path: str, what: str) -> Any:
-    try:
-        if os.path.getsize(path) > MAX_INPUT_BYTES:
-            raise RegimeInputError(f"{what} {path}: larger than {MAX_INPUT_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as exc:
-        raise RegimeInputError(f"{what} {path}: cannot be read: {exc}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RegimeInputError(f"{what} {path}: not valid JSON: {exc}") from exc
-
-
-def _counts(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_int(v, 0) for v in value)
-
-
-def _names(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value) \
-        and len(set(value)) == len(value)
+def _load(path: str, what: str, schema: RecordSchema) -> Any:
+    """The JSON in the input file `path` (a regular file the user named; checked by `discover`)."""
+    where = f"{what} {path}"
+    data = read_file_bytes(path, what, max_bytes=schema.max_bytes, trust=INPUT, shown=where, error=RegimeInputError)
+    if data is None:
+        raise RegimeInputError(f"{where}: no such file")
+    return decode_record(data, schema, where, error=RegimeInputError)
 
 
 def discover(observations: Any, environment: Any, request: Any) -> Dict[str, Any]:
     """The catalog document (`ReplayWorkload.from_moe_catalog` reads it). Raises RegimeInputError."""
-    env = _fields(environment, "environment", ENVIRONMENT_SCHEMA, {
-        "environment_id": lambda v: isinstance(v, str) and bool(v), "local_experts": lambda v: _int(v, 1),
-        "alignment": lambda v: _int(v, 1),
-        "regime_boundaries": lambda v: _counts(v) and v[0] == 1 and all(a < b for a, b in zip(v, v[1:]))})
-    req = _fields(request, "request", REQUEST_SCHEMA, {
-        "layers": _names, "max_recipes": lambda v: _int(v, 1), "require_complete": lambda v: isinstance(v, bool)})
-    obs = _fields(observations, "observations", OBSERVATIONS_SCHEMA, {"observations": lambda v: isinstance(v, list)})
+    env = check_record(environment, ENVIRONMENT_DOC, "environment", error=RegimeInputError)
+    bounds: List[int] = env["regime_boundaries"]
+    if bounds[0] != 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise RegimeInputError(f"environment.regime_boundaries: invalid value {bounds!r} (ascending row counts, "
+                               "the first 1)")
+    req = check_record(request, REQUEST_DOC, "request", error=RegimeInputError)
+    if len(set(req["layers"])) != len(req["layers"]):
+        raise RegimeInputError(f"request.layers: invalid value {req['layers']!r} (a layer is named twice)")
+    obs = check_record(observations, OBSERVATIONS_DOC, "observations", error=RegimeInputError)
     seen: Dict[str, int] = {}
     counts: Counter = Counter()
     for i, entry in enumerate(obs["observations"]):
-        _fields(dict(entry, schema=OBSERVATIONS_SCHEMA) if isinstance(entry, dict) else entry,
-                f"observations.observations[{i}]", OBSERVATIONS_SCHEMA,
-                {"layer": lambda v: isinstance(v, str) and bool(v), "step": lambda v: _int(v, 0),
-                 "tokens_per_expert": _counts})
         if len(entry["tokens_per_expert"]) != env["local_experts"]:
             raise RegimeInputError(f"observations.observations[{i}].tokens_per_expert: "
                                    f"{len(entry['tokens_per_expert'])} counts, the environment has "
@@ -114,7 +95,6 @@ def discover(observations: Any, environment: Any, request: Any) -> Dict[str, Any
                                    f"layer {req['layers']}")
         seen[entry["layer"]] = seen.get(entry["layer"], 0) + 1
         counts.update(c for c in entry["tokens_per_expert"] if c > 0)
-    bounds: List[int] = env["regime_boundaries"]
     by_regime: Dict[int, Counter] = {}
     for count, n in counts.items():
         regime = max(i for i, b in enumerate(bounds) if b <= count)
@@ -152,8 +132,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", default="-", help="catalog path (default: stdout)")
     args = parser.parse_args(argv)
     try:
-        catalog = discover(_load(args.observations, "observations"), _load(args.environment, "environment"),
-                           _load(args.request, "request"))
+        catalog = discover(_load(args.observations, "observations", OBSERVATIONS_DOC),
+                           _load(args.environment, "environment", ENVIRONMENT_DOC),
+                           _load(args.request, "request", REQUEST_DOC))
     except RegimeInputError as exc:
         sys.stderr.write(f"lm-resiliency-discover-moe-regimes: error: {exc}\n")
         return 2
@@ -161,12 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        temp = f"{args.output}.tmp-{os.getpid()}"
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, args.output)
+        atomic_write(args.output, text.encode("utf-8"), mode=0o644)  # the user's own output file
     return 0
 
 

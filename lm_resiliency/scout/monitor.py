@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
+from lm_resiliency.files import RecordSchema, array, integer, nested, nullable, number, parse_record, text
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import (
     CHECKPOINT_IO_STALL,
@@ -77,6 +78,15 @@ COMMUNICATION_OP_PREFIX = "comm:"
 SNAPSHOT_VERSION = 1
 DEFAULT_OBSERVERS = 4
 _MAX_PUBLISHED_ACTIVE = 8
+_OP = text(nonempty=False, max_length=256)
+_ACTIVE_OP = RecordSchema(what="open op", fields={"op": _OP, "age_s": number(0), "seq": integer(0),
+                                                  "thread": integer(None)})
+# What each rank's monitor publishes in the store (`Beacon.snapshot` plus who and when).
+SNAPSHOT_SCHEMA = RecordSchema(what="OOB monitor snapshot", identity=("v", SNAPSHOT_VERSION), fields={
+    "rank": integer(0), "host": text(nonempty=False, max_length=256), "pid": integer(0), "seq": integer(0),
+    "time": number(), "completed": integer(0), "collectives": integer(0), "activity": integer(0),
+    "step": nullable(integer(0)), "idle_s": number(0), "last_op": nullable(_OP), "op": nullable(_OP),
+    "op_age_s": nullable(number(0)), "active": array(nested(_ACTIVE_OP), max_length=_MAX_PUBLISHED_ACTIVE)})
 _MAX_KEPT_ERRORS = 8
 
 # Python-level torch.distributed entry points. `trace_collectives` wraps the ones that exist; an op
@@ -581,11 +591,11 @@ class OOBMonitor:
             return None
         for r, value in zip(others, raw):
             try:
-                doc = json.loads(bytes(value).decode("utf-8"))
-                if doc.get("v") != SNAPSHOT_VERSION or doc.get("rank") != r:
-                    raise ValueError(f"schema/rank mismatch: v={doc.get('v')!r} rank={doc.get('rank')!r}")
-                seq = int(doc["seq"])
-            except Exception as exc:  # noqa: BLE001 - fail closed: a malformed snapshot is ignored
+                doc = parse_record(bytes(value), SNAPSHOT_SCHEMA, f"store key {self._key('snapshot', r)}")
+                if doc["rank"] != r:
+                    raise ValueError(f"the snapshot of rank {r} names rank {doc['rank']}")
+                seq = doc["seq"]
+            except ValueError as exc:  # fail closed: a malformed snapshot (a RecordRejected) is ignored
                 self._store_failed(f"snapshot of rank {r} is malformed", exc)
                 continue
             seen = self._seen.get(r)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import socket
 import sys
@@ -49,6 +48,7 @@ from torch import nn
 from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.files import json_copy
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
 from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
 from lm_resiliency.scout.invocation import (
@@ -892,7 +892,7 @@ def _state_leaf(value: Any) -> Optional[torch.Tensor]:
 
 def json_roundtrip(value: Any) -> Any:
     """`value` as every peer sees it after a JSON exchange (tuples become lists)."""
-    return json.loads(json.dumps(value, allow_nan=False))
+    return json_copy(value)
 
 
 def _check_step(step: int) -> None:

@@ -43,6 +43,8 @@ from torch import nn
 
 from lm_resiliency._torch_compat import default_store
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.files import (Field, RecordRejected, RecordSchema, any_json, array, boolean, integer, nullable,
+                                 parse_record, text)
 from lm_resiliency.recovery import SweepOutcome
 from lm_resiliency.scout.peers import CLEAN, voted_outcome
 from lm_resiliency.scout.invocation import (
@@ -96,6 +98,19 @@ class RecordedInvocation:
 
 class _Incomplete(Exception):
     """A peer did not answer in time or answered something unusable."""
+
+
+_AUTOCAST = Field(types=(list,), items=array(text(max_length=64), max_length=2), max_length=2, required=False)
+# The documents peers exchange through the store during one sweep, by key.
+READY_SCHEMA = RecordSchema(what="sweep ready document",
+                            fields={"step": integer(0), "recorded": nullable(integer(0))})
+HEADER_SCHEMA = RecordSchema(what="sweep invocation header", max_bytes=64 * 1024 * 1024, fields={
+    "ok": boolean(), "reason": text(nonempty=False, max_length=None, required=False),
+    "step": integer(0, required=False), "structure": any_json(required=False),
+    "layout": Field(types=(dict,), required=False), "autocast": _AUTOCAST, "training": boolean(required=False)})
+SIGNATURES_SCHEMA = RecordSchema(what="sweep replay signatures", max_bytes=16 * 1024 * 1024, fields={
+    "modules": array(array(nullable(text(nonempty=False, max_length=None)), max_length=4), max_length=None),
+    "error": nullable(text(nonempty=False, max_length=None))})
 
 
 class _NotRun(Exception):
@@ -195,7 +210,7 @@ class FullCatalogSweep:
     def _sweep(self, exchange: "_Exchange", step: int) -> SweepReport:
         recorded = self.latest
         exchange.publish(f"ready/{self.rank}", {"step": step, "recorded": recorded.step if recorded else None})
-        ready = exchange.gather("ready", self.group_ranks, "join the sweep")
+        ready = exchange.gather("ready", self.group_ranks, "join the sweep", READY_SCHEMA)
         steps = {r: doc.get("step") for r, doc in ready.items()}
         if len(set(steps.values())) > 1:
             raise _Incomplete(f"peers are at different optimizer steps {steps}; their replicas are not comparable")
@@ -206,12 +221,12 @@ class FullCatalogSweep:
         source = min(r for r, s in holders.items() if s == newest)
         if source == self.rank:
             self._publish_invocation(exchange, recorded)
-        header = exchange.gather("header", (source,), "publish its recorded invocation")[source]
+        header = exchange.gather("header", (source,), "publish its recorded invocation", HEADER_SCHEMA)[source]
         if not header.get("ok"):
             raise _NotRun(f"the recording of rank {source} cannot be replayed: {header.get('reason')}")
         local = self._replay(header, exchange.payload(), source)
         exchange.publish(f"signatures/{self.rank}", local)
-        docs = exchange.gather("signatures", self.group_ranks, "answer with its replay signatures")
+        docs = exchange.gather("signatures", self.group_ranks, "answer with its replay signatures", SIGNATURES_SCHEMA)
         exchange.release(self.group_ranks, source)
         return self._decide(step, newest, source, docs)
 
@@ -357,14 +372,14 @@ class _Exchange:
                 logger.debug("SCOUT sweep: could not delete store key %s: %s", key, exc)
                 return
 
-    def gather(self, key: str, ranks: Tuple[int, ...], what: str) -> Dict[int, dict]:
-        """The document `<key>/<rank>` of every rank in `ranks`."""
+    def gather(self, key: str, ranks: Tuple[int, ...], what: str, schema: RecordSchema) -> Dict[int, dict]:
+        """The document `<key>/<rank>` of every rank in `ranks`, each satisfying `schema`."""
         names = {r: f"{self._prefix}/{key}/{r}" for r in ranks}
         docs: Dict[int, dict] = {}
         while True:
             for r in [r for r in ranks if r not in docs]:
                 if self._store.check([names[r]]):
-                    docs[r] = _parse(bytes(self._store.get(names[r])), r)
+                    docs[r] = _parse(bytes(self._store.get(names[r])), schema, names[r], r)
             missing = [r for r in ranks if r not in docs]
             if not missing:
                 return docs
@@ -374,11 +389,8 @@ class _Exchange:
             time.sleep(_POLL_S)
 
 
-def _parse(raw: bytes, rank: int) -> dict:
+def _parse(raw: bytes, schema: RecordSchema, key: str, rank: int) -> dict:
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _Incomplete(f"rank {rank} published a malformed sweep document: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise _Incomplete(f"rank {rank} published a sweep document that is not an object")
-    return doc
+        return parse_record(raw, schema, f"store key {key}")
+    except RecordRejected as exc:
+        raise _Incomplete(f"rank {rank} published a malformed sweep document: {exc}") from None

@@ -7,6 +7,8 @@ import os
 import re
 from typing import Optional
 
+from lm_resiliency.files import INPUT, RecordRejected, read_file_bytes
+
 MACHINE_ID_ENV = "LM_RESILIENCY_MACHINE_ID_PATH"
 DEFAULT_MACHINE_ID_PATH = "/etc/machine-id"
 # systemd's format: 32 lowercase hex digits (machine-id(5)).
@@ -20,11 +22,16 @@ def read_machine_id(path: Optional[str] = None) -> str:
     if not os.path.isabs(where):
         raise ValueError(f"{MACHINE_ID_ENV}={where!r}: must be an absolute path to a machine-id file")
     try:
-        with open(where, "rb") as f:
-            text = f.read(256).decode("ascii").strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read the machine id from {where}: {exc.strerror or exc}; set "
-                         f"{MACHINE_ID_ENV} to a file holding this node's machine id") from None
+        # The administrator's file (often a link or bind mount): a regular file, never a FIFO.
+        data = read_file_bytes(where, "machine id file", max_bytes=256, trust=INPUT)
+    except RecordRejected as exc:
+        raise ValueError(f"cannot read the machine id from {where}: {exc}; set {MACHINE_ID_ENV} to a file holding "
+                         "this node's machine id") from None
+    if data is None:
+        raise ValueError(f"cannot read the machine id from {where}: no such file; set {MACHINE_ID_ENV} to a file "
+                         "holding this node's machine id")
+    try:
+        text = data.decode("ascii").strip()
     except UnicodeDecodeError:
         text = ""
     if not _MACHINE_ID.fullmatch(text):

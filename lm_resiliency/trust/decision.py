@@ -1,12 +1,10 @@
-"""Checkpoint trust states, the job-wide outcome of one SCOUT boundary, and the value checks of
+"""Checkpoint trust states, the job-wide outcome of one SCOUT boundary, and the step check of
 trust records."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Dict, Optional, Tuple
-
-from lm_resiliency._values import is_int
+from typing import Any, Dict, Optional, Tuple
 
 CANDIDATE = "CANDIDATE"
 RECOVERY_VERIFIED = "RECOVERY_VERIFIED"
@@ -70,12 +68,3 @@ def is_step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def check_record(doc: Any, keys: AbstractSet[str], version: int, bad: Callable[[str], Exception],
-                 what: str = "") -> None:
-    """Raise ``bad(reason)`` unless `doc` is a dict with exactly `keys` and ``schema_version``
-    `version` (`what` prefixes the field names in the reason)."""
-    if not isinstance(doc, dict) or set(doc) != keys:
-        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        raise bad(f"{what}keys {got} are not exactly {sorted(keys)}")
-    if not is_int(doc["schema_version"]) or doc["schema_version"] != version:
-        raise bad(f"{what}schema_version {doc['schema_version']!r} is not {version}")

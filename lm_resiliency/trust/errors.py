@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lm_resiliency.files import RecordRejected
+
 if TYPE_CHECKING:
     from lm_resiliency.trust.decision import BoundaryDecision
 
@@ -12,8 +14,12 @@ class CertificationError(RuntimeError):
     """Certification state is unusable or the ranks do not agree; the message says why."""
 
 
-class ManifestRejected(CertificationError):
+class ManifestRejected(CertificationError, RecordRejected):
     """A durable manifest is malformed, foreign (environment id), unsafe, or inconsistent."""
+
+
+class TrustRecordRejected(CertificationError, RecordRejected):
+    """A persisted certification trust record (in a status sidecar) is malformed or inconsistent."""
 
 
 class DurableCheckpointError(CertificationError):

@@ -7,13 +7,13 @@ runs the durable side of a boundary on rank 0 (`trust.publish`) and persists the
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch.distributed as dist
 
 from lm_resiliency._values import ConfigError, is_int
+from lm_resiliency.files import json_copy
 from lm_resiliency.trust import rules
 from lm_resiliency.trust.decision import BoundaryDecision
 from lm_resiliency.trust.durable import DurableCheckpointConfig
@@ -262,7 +262,7 @@ class CertificationLedger:
 
     def _gather(self, value: Dict[str, Any]) -> List[Dict[str, Any]]:
         if self._group is None:
-            return [json.loads(json.dumps(value, allow_nan=False))]
+            return [json_copy(value)]
         return all_gather_json(value, self._group)
 
     def _is_rank0(self) -> bool:

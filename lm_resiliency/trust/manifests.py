@@ -10,15 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
-import stat
 import time
 from typing import Any, List, Optional
 
-from lm_resiliency.files import atomic_write, fsync_dir, loads_strict_json, open_owned
-from lm_resiliency.trust.decision import MANIFEST_STATES, RECOVERY_VERIFIED, check_record, is_step
+from lm_resiliency.files import (PRIVATE, RecordSchema, atomic_write, check_private_dir, ensure_private_dir, fsync_dir,
+                                 integer, number, read_record, text)
+from lm_resiliency.trust.decision import MANIFEST_STATES, RECOVERY_VERIFIED
 from lm_resiliency.trust.errors import CertificationError, ManifestRejected
 
 logger = logging.getLogger(__name__)
@@ -26,8 +25,11 @@ logger = logging.getLogger(__name__)
 MANIFEST_SCHEMA_VERSION = 1
 LATEST_VERIFIED_FILE = "latest_verified.json"
 
-_MANIFEST_KEYS = frozenset({"schema_version", "checkpoint_id", "step", "state", "environment_id",
-                            "updated_at", "reason"})
+MANIFEST_SCHEMA = RecordSchema(
+    what="durable checkpoint manifest", identity=("schema_version", MANIFEST_SCHEMA_VERSION),
+    fields={"checkpoint_id": text(max_length=None), "step": integer(0), "state": text(choices=MANIFEST_STATES),
+            "environment_id": text(nonempty=False, max_length=None), "updated_at": number(),
+            "reason": text(nonempty=False, max_length=None)})
 _MANIFEST_RE = re.compile(r"checkpoint-[0-9a-f]{40}\.json")
 
 
@@ -42,37 +44,18 @@ class ManifestStore:
     def __init__(self, directory: str, environment_id: str) -> None:
         self.directory = os.path.abspath(directory)
         self.environment_id = environment_id
-        self._uid = os.geteuid()
 
     # ------------------------------------------------------------ directory
 
     def ensure_directory(self) -> None:
         """Create the directory 0700 (writer side) and check it is ours and not a link."""
-        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
-        try:
-            os.mkdir(self.directory, 0o700)
-        except FileExistsError:
-            pass
-        self._check_directory(writer=True)
+        ensure_private_dir(self.directory, "manifest directory", error=ManifestRejected)
 
-    def _check_directory(self, writer: bool) -> bool:
-        try:
-            st = os.lstat(self.directory)
-        except FileNotFoundError:
+    def _check_directory(self) -> bool:
+        """Whether the directory exists (ManifestRejected when it is not private to this user)."""
+        if not os.path.lexists(self.directory):
             return False
-        if stat.S_ISLNK(st.st_mode):
-            raise ManifestRejected(f"{self.directory}: manifest directory is a symbolic link; refusing to follow it")
-        if not stat.S_ISDIR(st.st_mode):
-            raise ManifestRejected(f"{self.directory}: manifest directory is not a directory")
-        if st.st_uid != self._uid:
-            raise ManifestRejected(f"{self.directory}: manifest directory is owned by uid {st.st_uid}, not by "
-                                   f"this process (uid {self._uid}); refusing to trust it")
-        mode = stat.S_IMODE(st.st_mode)
-        if writer and mode != 0o700:
-            os.chmod(self.directory, 0o700)
-        elif not writer and mode & 0o022:
-            raise ManifestRejected(f"{self.directory}: manifest directory is writable by group or others "
-                                   f"(mode {mode:o}); refusing to trust it")
+        check_private_dir(self.directory, "manifest directory", error=ManifestRejected)
         return True
 
     # ------------------------------------------------------------ write
@@ -112,36 +95,15 @@ class ManifestStore:
     def read(self, name: str) -> Optional[dict]:
         """One validated manifest, or None if the file does not exist."""
         path = os.path.join(self.directory, name)
-        fd = open_owned(path, "manifest", ManifestRejected, uid=self._uid, forbidden_mode=0o022)
-        if fd is None:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
-        try:
-            doc = loads_strict_json(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ManifestRejected(f"{path}: manifest is not valid strict JSON ({exc}); refusing to trust it") from exc
-        self._validate(doc, path, name)
+        doc = read_record(path, MANIFEST_SCHEMA, trust=PRIVATE, error=ManifestRejected)
+        if doc is not None:
+            self._validate(doc, path, name)
         return doc
 
     def _validate(self, doc: Any, path: str, name: str) -> None:
         def bad(reason: str) -> ManifestRejected:
             return ManifestRejected(f"{path}: {reason}; refusing to trust it")
 
-        check_record(doc, _MANIFEST_KEYS, MANIFEST_SCHEMA_VERSION, bad, "manifest ")
-        if not isinstance(doc["checkpoint_id"], str) or not doc["checkpoint_id"]:
-            raise bad(f"checkpoint_id {doc['checkpoint_id']!r} is not a non-empty string")
-        if not is_step(doc["step"]):
-            raise bad(f"step {doc['step']!r} is not a non-negative integer")
-        if doc["state"] not in MANIFEST_STATES:
-            raise bad(f"state {doc['state']!r} is not one of {', '.join(MANIFEST_STATES)}")
-        if not isinstance(doc["environment_id"], str):
-            raise bad("environment_id is not a string")
-        updated = doc["updated_at"]
-        if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
-            raise bad(f"updated_at {updated!r} is not a finite number")
-        if not isinstance(doc["reason"], str):
-            raise bad("reason is not a string")
         if doc["environment_id"] != self.environment_id:
             raise bad(f"written for environment {doc['environment_id']!r}, but this job's environment_id is "
                       f"{self.environment_id!r}")
@@ -154,7 +116,7 @@ class ManifestStore:
 
     def scan(self) -> List[dict]:
         """Every checkpoint manifest (pointer excluded), validated; [] if the directory is missing."""
-        if not self._check_directory(writer=False):
+        if not self._check_directory():
             return []
         docs = []
         for name in sorted(os.listdir(self.directory)):
@@ -166,7 +128,7 @@ class ManifestStore:
 
     def newest_verified(self) -> dict:
         """The newest RECOVERY_VERIFIED manifest; never a candidate or quarantined one."""
-        if not self._check_directory(writer=False):
+        if not self._check_directory():
             raise CertificationError(f"no RECOVERY_VERIFIED durable checkpoint: manifest directory "
                                      f"{self.directory} does not exist")
         docs = self.scan()

@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lm_resiliency._values import is_int
-from lm_resiliency.trust.decision import CANDIDATE, RECOVERY_VERIFIED, BoundaryDecision, check_record, is_step
-from lm_resiliency.trust.errors import CertificationError
+from lm_resiliency.files import RecordSchema, array, boolean, check_record, integer, nested, nullable, text
+from lm_resiliency.trust.decision import CANDIDATE, RECOVERY_VERIFIED, BoundaryDecision, is_step
+from lm_resiliency.trust.errors import CertificationError, TrustRecordRejected
 from lm_resiliency.trust.verdicts import ACCEPTED, CAPTURED_UNCERTIFIED, VERDICTS, worst
 
 logger = logging.getLogger(__name__)
@@ -27,9 +27,16 @@ logger = logging.getLogger(__name__)
 TRUST_SCHEMA_VERSION = 1
 VERIFIED_HISTORY_LIMIT = 8
 
-_TRUST_KEYS = frozenset({"schema_version", "catalog_size", "candidate_step", "candidate_checkpoint_id",
-                         "recovery_verified_step", "verified_history", "sdc_detected_step", "sdc_pending",
-                         "last_boundary_step"})
+_STEP = nullable(integer(0))
+_CHECKPOINT_ID = nullable(text(max_length=None))
+_VERIFIED_ENTRY = RecordSchema(what="verified_history entry",
+                               fields={"step": integer(0), "checkpoint_id": _CHECKPOINT_ID})
+# The trust record a rank persists in its status sidecar (`TrustState.to_doc`).
+TRUST_SCHEMA = RecordSchema(what="persisted certification trust", identity=("schema_version", TRUST_SCHEMA_VERSION),
+                            fields={"catalog_size": integer(1), "candidate_step": _STEP,
+                                    "candidate_checkpoint_id": _CHECKPOINT_ID, "recovery_verified_step": _STEP,
+                                    "verified_history": array(nested(_VERIFIED_ENTRY), max_length=None),
+                                    "sdc_detected_step": _STEP, "sdc_pending": boolean(), "last_boundary_step": _STEP})
 
 Entry = Tuple[int, Optional[str]]  # (step, durable checkpoint id or None)
 
@@ -92,28 +99,15 @@ def _with_verified(history: Sequence[Entry], entry: Entry) -> Tuple[Entry, ...]:
 def parse_trust(trust: Any) -> Dict[str, Any]:
     """`trust` if it is a valid persisted trust record; CertificationError naming the field if not."""
     def bad(reason: str) -> CertificationError:
-        return CertificationError(f"persisted certification trust is invalid: {reason}; refusing to use it")
+        return TrustRecordRejected(f"persisted certification trust is invalid: {reason}; refusing to use it")
 
-    check_record(trust, _TRUST_KEYS, TRUST_SCHEMA_VERSION, bad)
-    if not is_int(trust["catalog_size"]) or trust["catalog_size"] < 1:
-        raise bad(f"catalog_size {trust['catalog_size']!r} is not a positive integer")
-    for name in ("candidate_step", "recovery_verified_step", "sdc_detected_step", "last_boundary_step"):
-        if trust[name] is not None and not is_step(trust[name]):
-            raise bad(f"{name} {trust[name]!r} is not None or a non-negative integer")
-    if not isinstance(trust["sdc_pending"], bool):
-        raise bad("sdc_pending is not a boolean")
+    check_record(trust, TRUST_SCHEMA, "persisted certification trust (refusing to use it)", error=TrustRecordRejected)
     cid = trust["candidate_checkpoint_id"]
-    if cid is not None and (not isinstance(cid, str) or not cid or trust["candidate_step"] is None):
+    if cid is not None and trust["candidate_step"] is None:
         raise bad(f"candidate_checkpoint_id {cid!r} does not go with candidate_step {trust['candidate_step']!r}")
     history = trust["verified_history"]
-    if not isinstance(history, list):
-        raise bad("verified_history is not a list")
     previous = None
     for entry in history:
-        if (not isinstance(entry, dict) or set(entry) != {"step", "checkpoint_id"} or not is_step(entry["step"])
-                or not (entry["checkpoint_id"] is None
-                        or (isinstance(entry["checkpoint_id"], str) and entry["checkpoint_id"]))):
-            raise bad(f"verified_history entry {entry!r} is not {{'step': int, 'checkpoint_id': str|None}}")
         if previous is not None and entry["step"] >= previous:
             raise bad("verified_history is not strictly newest first")
         previous = entry["step"]

@@ -122,11 +122,12 @@ def _engine_with(section):
 
 
 @pytest.mark.parametrize("section,field", [
-    ({"interval": 0}, '"lm_resiliency".interval'), ({"interval": True}, '"lm_resiliency".interval'),
-    ({"recovery_mode": "newest"}, '"lm_resiliency".recovery_mode'),
-    ({"enable_detection": "no"}, '"lm_resiliency".enable_detection'),
-    ({"checkpoint": {"interval": -1}}, "InMemoryCkptConfig.interval"), ({"replay": []}, '"lm_resiliency".replay'),
-    ({"intervall": 3}, "unknown key(s) ['intervall']"), ([], '"lm_resiliency": must be an object'),
+    ({"interval": 0}, '"lm_resiliency": interval'), ({"interval": True}, '"lm_resiliency": interval'),
+    ({"recovery_mode": "newest"}, '"lm_resiliency": recovery_mode'),
+    ({"enable_detection": "no"}, '"lm_resiliency": enable_detection'),
+    ({"checkpoint": {"interval": -1}}, "InMemoryCkptConfig.interval"), ({"replay": []}, '"lm_resiliency": replay'),
+    ({"intervall": 3}, "unknown key(s) ['intervall']"), ([], '"lm_resiliency": the document is not a JSON object'),
+    ({"checkpoint": {"disk_folder": "ckpt"}}, '"lm_resiliency".checkpoint.disk_folder: must be an absolute path'),
 ])
 def test_config_section_errors_name_the_field(section, field):
     from lm_resiliency.adapters.deepspeed import read_config_section

@@ -298,10 +298,10 @@ def test_entry_point_is_inert_when_unset(tmp_path):
 @pytest.mark.timeout(120)
 def test_entry_point_takes_a_policy_file(tmp_path):
     # LM_RESILIENCY=<policy file>: the same ResiliencyPolicy the Accelerate flag reads (parsing and its
-    # errors: tests/unit/test_config.py); the relative disk_folder lands in the script's directory.
+    # errors: tests/unit/test_config.py); a policy file names absolute paths.
     policy = tmp_path / "policy.toml"
     policy.write_text(f'schema_version = 1\ninterval = 2\nenable_detection = false\n[checkpoint]\n'
-                      f'disk_folder = "checkpoints"\nrun_id = "policy-file-test"\n'
+                      f'disk_folder = "{tmp_path / "checkpoints"}"\nrun_id = "policy-file-test"\n'
                       f'shared_memory_dir = "{tmp_path / "shm"}"\n')
     result, _ = _run_script(tmp_path, "policy", {"LM_RESILIENCY": str(policy)})
     assert result["callbacks"] == ["ResiliencyCallback"] and result["interval"] == 2 and result["gemini_dir"]

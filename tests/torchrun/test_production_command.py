@@ -11,9 +11,19 @@ import json
 import os
 import sys
 
-from tests.torchrun.launcher import ROOT, agent_env, free_port, machine_id_file, run_agent
+from tests.torchrun.launcher import ROOT, agent_env, free_port, machine_id_file, run_agent, write_policy
 
 POLICY = os.path.join(ROOT, "examples", "production_loops", "policies", "resiliency.toml")
+SHIPPED_FOLDER = '"/tmp/lm-resiliency-checkpoints"'
+
+
+def _shipped_policy(base: str) -> str:
+    """The shipped policy, byte for byte, except its (absolute) disk_folder, which points into this
+    test's scratch directory so runs never share checkpoints."""
+    with open(POLICY) as f:
+        text = f.read()
+    assert text.count(SHIPPED_FOLDER) == 1
+    return write_policy(base, text.replace(SHIPPED_FOLDER, json.dumps(os.path.join(base, "checkpoints"))))
 MODULE = "examples.production_loops.pytorch"
 STEPS = 24
 WORKERS = 3
@@ -38,8 +48,7 @@ def test_readme_production_command_runs_the_unchanged_loop_bitwise_equal_to_plai
     command = _torchrun(["--rdzv-backend=lm_resiliency", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                          "--rdzv-id=pytorch-example",
                          f"--rdzv-conf=store_type=tcp,read_timeout=120,lm_resiliency_restart_context_path={context},"
-                         f"lm_resiliency_worker_config={POLICY}"], managed)
-    # The policy's disk_folder is relative: the agent runs in a scratch directory, as a job would.
+                         f"lm_resiliency_worker_config={_shipped_policy(base)}"], managed)
     result = run_agent(command, env, 240, os.path.join(base, "managed.log"), cwd=base)
     assert result.returncode == 0, result.stdout
     with open(context) as f:

@@ -113,8 +113,9 @@ def test_cli_builds_the_sample_catalog_that_from_moe_catalog_accepts(tmp_path):
     ({"request": {"layers": ["layers.0.moe.experts", "layers.9"]}}, "layers.1.moe.experts' is not a requested"),
     ({"environment": {"local_experts": 2}}, "4 counts, the environment has 2 local experts"),
     ({"environment": {"regime_boundaries": [1, 64, 16]}}, "environment.regime_boundaries: invalid value"),
-    ({"environment": {"gpu": "h100"}}, "environment: unknown fields ['gpu']"),
-    ({"request": {"schema": "v0"}}, "request: schema must be"),
+    ({"environment": {"gpu": "h100"}}, "environment: unknown key(s) ['gpu'] in a MoE environment"),
+    ({"request": {"schema": "v0"}}, "request: not a MoE regime request of this version: schema: expected"),
+    ({"request": {"layers": ["layers.0.moe.experts", "layers.0.moe.experts"]}}, "request.layers: invalid value"),
 ])
 def test_cli_rejects_bad_input_with_a_clear_error(tmp_path, overrides, message):
     proc, out = _cli(tmp_path, **overrides)

@@ -30,7 +30,9 @@ def test_a_valid_record_round_trips_exactly():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"schema": "lm-resiliency-test/2"}, "store key k: not a test record of this version"),
+    ({"schema": "lm-resiliency-test/2"}, "store key k: not a test record of this version: schema: expected "
+                                         "'lm-resiliency-test/1', got 'lm-resiliency-test/2'"),
+    ({"schema": None}, "schema: expected 'lm-resiliency-test/1', got None"),
     ({"step": -1}, "step must be at least 0"),
     ({"step": True}, "step must be int, got bool"),
     ({"step": 1.5}, "step must be int"),
@@ -39,9 +41,9 @@ def test_a_valid_record_round_trips_exactly():
     ({"ranks": [0, 1, 2, 3, 4, 5, 6, 7, 8]}, "at most 8"),
     ({"ranks": [0, "1"]}, r"ranks\[1\] must be int"),
     ({"inner": {"slot": 9}}, "inner.slot must be at most 7"),
-    ({"inner": {"slot": 1, "x": 0}}, r"unknown keys \['inner.x'\]"),
+    ({"inner": {"slot": 1, "x": 0}}, r"unknown key\(s\) \['inner.x'\] in a inner part; accepted: \['slot'\]"),
     ({"kind": "c"}, "kind must be one of"),
-    ({"extra": 1}, r"unknown keys \['extra'\]"),
+    ({"extra": 1}, r"unknown key\(s\) \['extra'\]"),
 ])
 def test_every_declared_rule_refuses(change, match):
     refused(dict(GOOD, **change), match)
@@ -108,8 +110,11 @@ def test_one_private_directory_policy(tmp_path):
         check_private_dir(target, "restart-context directory")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o777
     os.symlink(target, str(tmp_path / "alias"))
-    with pytest.raises(RecordRejected, match="not a directory"):
+    with pytest.raises(RecordRejected, match="alias is a symbolic link; refusing to follow it"):
         ensure_private_dir(str(tmp_path / "alias"), "restart-context directory")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RecordRejected, match="file is not a directory"):
+        ensure_private_dir(str(tmp_path / "file"), "restart-context directory")
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)

@@ -205,7 +205,7 @@ def test_foreign_uid_is_refused(tmp_path, caplog, which):
     ({"holder_rank": 1}, "wrong holder rank"),
     ({"owner_rank": 1}, "wrong owner rank"),
     ({"slot": "peer_a"}, "wrong slot name"),
-    ({"step": -1}, "not a non-negative integer"),
+    ({"step": -1}, "step must be at least 0, got -1"),
     ({"version": 99}, "version"),
     ({"layout": {"total_bytes": 8, "tensors": "nope"}}, "bad layout"),
 ])
@@ -219,7 +219,7 @@ def test_malformed_sidecar_is_refused(tmp_path, caplog):
     _, sidecar = _published(tmp_path)
     with open(sidecar, "w") as f:
         f.write('{"version": 1, "version": 1}')
-    _refused(tmp_path, caplog, "not strict JSON")
+    _refused(tmp_path, caplog, "not a shared-memory slot sidecar: not valid JSON (duplicate JSON key")
 
 
 def test_symlinked_segment_is_refused(tmp_path, caplog):

@@ -121,7 +121,7 @@ def test_store_refuses_symlinked_directories(tmp_path):
     with pytest.raises(PermissionError, match="symbolic link"):
         make_store(root)
     root2 = tmp_path / "root2"
-    (root2 / run_namespace(RUN, TOPO)).mkdir(parents=True)
+    (root2 / run_namespace(RUN, TOPO)).mkdir(mode=0o700, parents=True)
     os.symlink(elsewhere, root2 / run_namespace(RUN, TOPO) / "rank-00000")
     with pytest.raises(PermissionError, match="symbolic link"):
         make_store(root2)
@@ -130,7 +130,7 @@ def test_store_refuses_symlinked_directories(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create files owned by another uid")
 def test_foreign_owner_refused(tmp_path):
     ns_dir = tmp_path / run_namespace(RUN, TOPO)
-    ns_dir.mkdir()
+    ns_dir.mkdir(mode=0o700)
     os.chown(ns_dir, 12345, -1)
     with pytest.raises(PermissionError, match="owned by uid 12345"):
         make_store(tmp_path)
@@ -378,19 +378,20 @@ def test_symlink_in_place_of_a_shard_refused(tmp_path):
 
 
 @pytest.mark.parametrize("mutate_meta, mutate_obj, match", [
-    (lambda m: m.update(surprise=1), None, "metadata keys"),
-    (lambda m: m.pop("extra"), None, "metadata keys"),
+    (lambda m: m.update(surprise=1), None, r"unknown key\(s\) \['surprise'\] in a GEMINI shard metadata"),
+    (lambda m: m.pop("extra"), None, r"missing keys \['extra'\] in a GEMINI shard metadata"),
     (lambda m: m["layout"]["tensors"][0].update(offset=3), None, "bad layout"),
     (lambda m: m.update(layout={"total_bytes": 1}), None, "bad layout"),
     (lambda m: m.update(crc32=m["crc32"] ^ 1), None, "CRC-32 mismatch"),
     (lambda m: m.update(crc32="abc"), None, "crc32"),
     (lambda m: m.update(kind="peer"), None, "wrong kind"),
-    (lambda m: m.update(format_version=2), None, "metadata format_version 2"),
-    (lambda m: m.update(step="1"), None, "step is not an integer"),
+    (lambda m: m.update(format_version=2), None, "not a GEMINI shard metadata of this version: format_version: "
+                                                 "expected 3, got 2"),
+    (lambda m: m.update(step="1"), None, "step must be int, got str '1'"),
     (None, lambda o: o.update(payload=o["payload"][:-1].clone()), "payload has"),
     (None, lambda o: o.update(payload=o["payload"].view(torch.int8)), "1-D uint8"),
     (None, lambda o: o.update(metadata="{not json"), "not valid JSON"),
-    (None, lambda o: o.update(metadata="[1]"), "metadata keys"),
+    (None, lambda o: o.update(metadata="[1]"), "is not a JSON object"),
     (None, lambda o: o.update(extra_key=1), "top-level keys"),
 ])
 def test_schema_violations_refused(tmp_path, mutate_meta, mutate_obj, match):
@@ -494,7 +495,7 @@ def test_status_round_trip_and_absent(tmp_path):
 @pytest.mark.parametrize("garbage", [b"", b'{"format_version": 3, "run', b"\xff\xfe\x00garbage"])
 def test_persistently_malformed_status_rejected(tmp_path, garbage):
     store = make_store(tmp_path, timeout_s=0.3)
-    with open(os.path.join(store.directory, "status.json"), "wb") as f:
+    with open(os.open(os.path.join(store.directory, "status.json"), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
         f.write(garbage)
     start = time.monotonic()
     with pytest.raises(StatusRejected, match="malformed"):
@@ -506,8 +507,8 @@ def test_persistently_malformed_status_rejected(tmp_path, garbage):
     ("run_id", "run-b", "wrong run id"),
     ("topology", "topo-2", "wrong topology"),
     ("rank", 5, "wrong rank"),
-    ("format_version", 2, "format_version 2"),
-    ("status", [1], "not a JSON object"),
+    ("format_version", 2, "format_version: expected 3, got 2"),
+    ("status", [1], "status must be dict, got list"),
 ])
 def test_status_identity_mismatch_rejected_without_retry(tmp_path, field, value, match):
     store = make_store(tmp_path, timeout_s=30)
@@ -543,7 +544,7 @@ def test_status_read_retries_until_file_becomes_well_formed(tmp_path):
     def fix():
         time.sleep(0.2)
         tmp = path + ".fix"
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(good)
         os.replace(tmp, path)
 

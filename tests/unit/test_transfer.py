@@ -161,9 +161,9 @@ def test_malformed_offers_are_refused(tmp_path):
     sender, _ = _stores(tmp_path)
     doc = _offer(sender)
     doc["pickle"] = "no"
-    _refused_before_writing(tmp_path, doc, "transfer record fields .* are not exactly")
+    _refused_before_writing(tmp_path, doc, r"transfer record: unknown key\(s\) \['pickle'\]")
     (tmp_path / "again").mkdir()
-    _refused_before_writing(tmp_path / "again", [1, 2], "transfer record fields list")
+    _refused_before_writing(tmp_path / "again", [1, 2], r"transfer record: the document is not a JSON object \(list\)")
 
 
 def test_offer_is_keyed_by_run_and_endpoints(tmp_path):
