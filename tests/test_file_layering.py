@@ -4,8 +4,7 @@ Library code (lm_resiliency/, adapters/, callbacks/) outside files.py never call
 and JSON primitives below: a document from another process, the store, shared memory or disk is
 read by the record layer (`parse_record`/`read_record`, a declared RecordSchema, file trust, a
 size bound), published by `atomic_write`, and a private directory comes from
-`ensure_private_dir`/`open_private_dir`. Each exception below says why the call is not a record;
-TEMPORARY ones are records still to move onto the layer.
+`ensure_private_dir`/`open_private_dir`. Each exception below says why the call is not a record.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from tests.test_layering import modules
 RAW_CALLS = frozenset({"open", "io.open", "json.loads", "json.load", "os.replace", "os.rename", "os.makedirs",
                        "os.mkdir"})
 FILES = "lm_resiliency.files"
-_TORCHRUN = "TEMPORARY: a torchrun loop record; the launch helper binds it to its launch and moves it onto the layer"
 # (module, call) -> why that module may make the call.
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
     ("lm_resiliency.gemini.storage", "open"): "reads /proc (the boot id, process start times), not a record",
@@ -31,9 +29,6 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
                                                          "that shard on purpose",
     ("lm_resiliency.faults.local_executor", "open"): "a fault executor fills a file in its own sandbox on purpose "
                                                      "(the disk exhaustion fault)",
-    ("lm_resiliency.torchrun.backend", "json.loads"): _TORCHRUN,
-    ("lm_resiliency.torchrun.coordinator", "json.loads"): _TORCHRUN,
-    ("lm_resiliency.torchrun.context", "os.makedirs"): _TORCHRUN,
 }
 
 
