@@ -283,7 +283,10 @@ def test_probe_cadence_defaults_to_every_fifth_check_and_is_validated():
     assert ReplayHarnessConfig().probe_interval == 50
     assert ReplayHarnessConfig(check_interval=3).probe_interval == 15
     assert ReplayHarnessConfig(check_interval=3, communication_probe_interval=1).probe_interval == 1
-    for bad in (0, -2, 1.5, True, "10"):
+    # 0 turns the probe off, like every check class (docs/scout.md, "Switching replay off").
+    assert ReplayHarnessConfig(communication_probe_interval=0).probe_interval == 0
+    assert ReplayHarnessConfig(check_interval=0).probe_interval == 0
+    for bad in (-2, 1.5, True, "10", 10**9 + 1):
         with pytest.raises(ConfigError, match="ReplayHarnessConfig.communication_probe_interval"):
             ReplayHarnessConfig(communication_probe_interval=bad)
 
