@@ -20,10 +20,10 @@ def test_zero_is_accepted_as_off_and_negative_values_are_refused_naming_the_fiel
     no_output = ReplayHarnessConfig(check_interval=4, output_check_interval=0)
     assert no_output.due("hidden", 8) and not no_output.due("output", 8)
     with pytest.raises(ConfigError, match=r"^ReplayHarnessConfig.check_interval: must be a non-negative integer "
-                                          r"number of optimizer steps \(0: periodic replay off\), got -1$"):
+                                          r"number of optimizer steps \(0: periodic replay off\), at most 1000000000, got -1$"):
         ReplayHarnessConfig(check_interval=-1)
     with pytest.raises(ConfigError, match=r"^ReplayHarnessConfig.output_check_interval: must be None \(inherit "
-                                          r"check_interval\), 0 \(off\) or a positive integer, got -2$"):
+                                          r"check_interval\), 0 \(off\) or a positive integer, at most 1000000000, got -2$"):
         ReplayHarnessConfig(output_check_interval=-2)
 
 
