@@ -155,3 +155,19 @@ def open_owned(path: str, what: str, reject: Callable[[str], Exception], *, flag
         os.close(fd)
         raise
     return fd
+
+
+def read_owned(path: str, what: str, reject: Callable[[str], Exception], max_bytes: int, *,
+               dir_fd: Optional[int] = None, shown: Optional[str] = None, uid: Optional[int] = None,
+               forbidden_mode: int = 0) -> Optional[bytes]:
+    """The bytes of a file `open_owned` accepts (same checks and arguments), None when it does not
+    exist; refused with `reject(message)` when it holds more than `max_bytes`."""
+    fd = open_owned(path, what, reject, dir_fd=dir_fd, shown=shown, uid=uid, forbidden_mode=forbidden_mode)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise reject(f"{path if shown is None else shown}: {what} is larger than {max_bytes} bytes; refusing to "
+                     "read it")
+    return data

@@ -74,7 +74,7 @@ import torch
 
 from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
-from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned
+from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, loads_strict_json, open_owned, read_owned
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
@@ -519,44 +519,21 @@ class SharedSlotArena:
         def bad(reason: str) -> SegmentRejected:
             return SegmentRejected(f"{path}: {reason}")
 
-        try:
-            doc = _loads(data)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise bad(f"sidecar is not strict JSON: {exc}") from exc
-        if not isinstance(doc, dict) or set(doc) != _SIDECAR_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise bad(f"sidecar keys {got} are not exactly {sorted(_SIDECAR_KEYS)}")
-        if doc["version"] != SHM_VERSION or not _is_int(doc["version"]):
-            raise bad(f"sidecar version {doc['version']!r} is not {SHM_VERSION}")
+        doc = parse_sidecar(data, path)
         if doc["run_id"] != self._run_id:
             raise bad(f"wrong run id (sidecar {doc['run_id']!r}, expected {self._run_id!r})")
         if doc["topology"] != self._topology:
             raise bad(f"wrong topology (sidecar {doc['topology']!r}, expected {self._topology!r})")
-        if doc["holder_rank"] != self._rank or not _is_int(doc["holder_rank"]):
+        if doc["holder_rank"] != self._rank:
             raise bad(f"wrong holder rank (sidecar {doc['holder_rank']!r}, expected {self._rank})")
         if doc["slot"] != name:
             raise bad(f"wrong slot name (sidecar {doc['slot']!r}, expected {name!r})")
         expected_owner = self._rank if name.startswith("own") else self._peer_owner
-        if not _is_int(doc["owner_rank"]) or doc["owner_rank"] != expected_owner:
+        if doc["owner_rank"] != expected_owner:
             raise bad(f"wrong owner rank (sidecar {doc['owner_rank']!r}, expected {expected_owner})")
-        if not _is_int(doc["step"]) or doc["step"] < 0:
-            raise bad(f"step {doc['step']!r} is not a non-negative integer")
-        if not isinstance(doc["extra"], dict):
-            raise bad("extra is not a JSON object")
-        crc = doc["crc32"]
-        if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
-            raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
-        if self._verify and crc is None:
+        if self._verify and doc["crc32"] is None:
             raise bad("written without integrity checksum (verify_integrity=False); with "
                       "verify_integrity=True only checksummed slots are eligible")
-        seg = doc["segment"]
-        if (not isinstance(seg, dict) or set(seg) != {"size", "dev", "ino"}
-                or not all(_is_int(v) and v >= 0 for v in seg.values())):
-            raise bad("segment must be an object of non-negative integers size, dev, ino")
-        try:
-            Layout.from_json(doc["layout"])
-        except StateSchemaError as exc:
-            raise bad(f"bad layout: {exc}") from exc
         return doc
 
     def verify(self, name: str) -> Optional[str]:
@@ -895,6 +872,54 @@ class SharedSlotArena:
             pass
 
 
+def parse_sidecar(data: bytes, path: str) -> dict:
+    """A slot sidecar's document, schema-checked (keys, version, types, layout) but not yet bound
+    to a run, topology or rank: `SharedSlotArena` checks those; `lm-resiliency inspect` reports them."""
+    def bad(reason: str) -> SegmentRejected:
+        return SegmentRejected(f"{path}: {reason}")
+
+    try:
+        doc = _loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"sidecar is not strict JSON: {exc}") from exc
+    if not isinstance(doc, dict) or set(doc) != _SIDECAR_KEYS:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise bad(f"sidecar keys {got} are not exactly {sorted(_SIDECAR_KEYS)}")
+    if doc["version"] != SHM_VERSION or not _is_int(doc["version"]):
+        raise bad(f"sidecar version {doc['version']!r} is not {SHM_VERSION}")
+    for key in ("run_id", "topology", "slot"):
+        if not isinstance(doc[key], str):
+            raise bad(f"{key} is not a string")
+    for key in ("holder_rank", "owner_rank"):
+        if not _is_int(doc[key]) or doc[key] < 0:
+            raise bad(f"{key} {doc[key]!r} is not a non-negative integer")
+    if not _is_int(doc["step"]) or doc["step"] < 0:
+        raise bad(f"step {doc['step']!r} is not a non-negative integer")
+    if not isinstance(doc["extra"], dict):
+        raise bad("extra is not a JSON object")
+    crc = doc["crc32"]
+    if crc is not None and (not _is_int(crc) or not 0 <= crc < 2 ** 32):
+        raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
+    seg = doc["segment"]
+    if (not isinstance(seg, dict) or set(seg) != {"size", "dev", "ino"}
+            or not all(_is_int(v) and v >= 0 for v in seg.values())):
+        raise bad("segment must be an object of non-negative integers size, dev, ino")
+    try:
+        Layout.from_json(doc["layout"])
+    except StateSchemaError as exc:
+        raise bad(f"bad layout: {exc}") from exc
+    return doc
+
+
+def read_sidecar(dir_fd: int, name: str, path: str, uid: int) -> Optional[dict]:
+    """The sidecar `name` of the rank directory open as `dir_fd`, schema-checked (`parse_sidecar`),
+    or None when there is none; SegmentRejected for one that must not be used."""
+    shown = os.path.join(path, name)
+    data = read_owned(name, "slot sidecar", SegmentRejected, _MAX_SIDECAR_BYTES, dir_fd=dir_fd, shown=shown, uid=uid,
+                      forbidden_mode=0o077)
+    return None if data is None else parse_sidecar(data, shown)
+
+
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
     """The owner record of the rank directory open as `dir_fd`, or None if missing or invalid."""
     try:
@@ -1037,5 +1062,6 @@ def open_arena(root: Optional[str], run_id: str, topology: str, rank: int, *, se
 __all__ = [
     "AdoptedSlot", "HostMemoryReport", "MAX_SLOTS", "NAMESPACE_RE", "RankDirVerdict", "SLOT_NAMES", "SegmentRejected",
     "SharedMemoryUnavailable", "SharedSlotArena", "default_shared_memory_dir", "judge_rank_dirs", "last_written",
-    "open_arena", "read_owner", "remove_dead_temp_dirs", "remove_tree", "shared_namespace", "shared_namespace_of",
+    "open_arena", "parse_sidecar", "read_owner", "read_sidecar",
+    "remove_dead_temp_dirs", "remove_tree", "shared_namespace", "shared_namespace_of",
 ]

@@ -57,7 +57,7 @@ from typing import Any, BinaryIO, List, Optional, Set
 import torch
 
 from lm_resiliency._values import is_int as _is_int
-from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned
+from lm_resiliency.files import MAX_JSON_DEPTH, atomic_write, fsync_dir, loads_strict_json, open_owned, read_owned
 
 from lm_resiliency.codec import Layout, StateSchemaError
 from lm_resiliency.tensor_bytes import byte_windows
@@ -301,6 +301,10 @@ class NodeLocalStore:
         self._uid = os.geteuid()
         namespace_dir = os.path.join(self._root, run_namespace(run_id, topology))
         self._dir = os.path.join(namespace_dir, f"rank-{rank:05d}")
+        if os.path.lexists(self._root) and not os.path.isdir(self._root):
+            raise NotADirectoryError(errno.ENOTDIR, "InMemoryCkptConfig.disk_folder must be a directory (GEMINI "
+                                     "keeps one folder per run in it), but this path is a file; point disk_folder "
+                                     "at a directory on the node-local disk", self._root)
         try:
             os.makedirs(self._root, exist_ok=True)
         except OSError as exc:
@@ -493,15 +497,7 @@ class NodeLocalStore:
                           self._dir) from exc
 
     def _parse_name(self, name: str) -> Optional[ShardKey]:
-        match = _OWN_RE.fullmatch(name)
-        if match:
-            key = ShardKey("own", self._rank, int(match.group(1)))
-        else:
-            match = _PEER_RE.fullmatch(name)
-            if not match:
-                return None
-            key = ShardKey("peer", int(match.group(1)), int(match.group(2)))
-        return key if key.file_name == name else None  # canonical spelling only
+        return shard_key_of(name, self._rank)
 
     @staticmethod
     def _checked_payload(payload: Any, layout: Layout) -> torch.Tensor:
@@ -686,24 +682,66 @@ class NodeLocalStore:
         def bad(reason: str) -> StatusRejected:
             return StatusRejected(f"{path}: {reason}; refusing to trust it")
 
-        if not isinstance(doc, dict) or set(doc) != _STATUS_KEYS:
-            got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise bad(f"status sidecar keys {got} are not exactly {sorted(_STATUS_KEYS)}")
-        version = doc["format_version"]
-        if not _is_int(version) or version != FORMAT_VERSION:
-            raise bad(f"status format_version {version!r} is not {FORMAT_VERSION}")
+        problem = _status_problem(doc)
+        if problem is not None:
+            raise bad(problem)
         if doc["run_id"] != self._run_id:
             raise bad(f"wrong run id (file {doc['run_id']!r}, expected {self._run_id!r})")
         if doc["topology"] != self._topology:
             raise bad(f"wrong topology (file {doc['topology']!r}, expected {self._topology!r})")
-        if not _is_int(doc["rank"]) or doc["rank"] != self._rank:
+        if doc["rank"] != self._rank:
             raise bad(f"wrong rank (file {doc['rank']!r}, expected {self._rank})")
-        if not isinstance(doc["status"], dict):
-            raise bad("status is not a JSON object")
         return doc["status"]
+
+
+def shard_key_of(name: str, rank: int) -> Optional[ShardKey]:
+    """The key of a published shard file name in rank `rank`'s directory, or None (not a shard)."""
+    match = _OWN_RE.fullmatch(name)
+    if match:
+        key = ShardKey("own", rank, int(match.group(1)))
+    else:
+        match = _PEER_RE.fullmatch(name)
+        if not match:
+            return None
+        key = ShardKey("peer", int(match.group(1)), int(match.group(2)))
+    return key if key.file_name == name else None  # canonical spelling only
+
+
+def _status_problem(doc: Any) -> Optional[str]:
+    """Why `doc` is not a status sidecar document of this format, or None."""
+    if not isinstance(doc, dict) or set(doc) != _STATUS_KEYS:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        return f"status sidecar keys {got} are not exactly {sorted(_STATUS_KEYS)}"
+    version = doc["format_version"]
+    if not _is_int(version) or version != FORMAT_VERSION:
+        return f"status format_version {version!r} is not {FORMAT_VERSION}"
+    if not isinstance(doc["run_id"], str) or not isinstance(doc["topology"], str):
+        return "run_id and topology must be strings"
+    if not _is_int(doc["rank"]) or doc["rank"] < 0:
+        return f"rank {doc['rank']!r} is not a non-negative integer"
+    if not isinstance(doc["status"], dict):
+        return "status is not a JSON object"
+    return None
+
+
+def read_status_document(path: str, max_bytes: int = 16 * 1024 * 1024) -> Optional[dict]:
+    """A rank's status sidecar as written ({format_version, run_id, topology, rank, status}),
+    schema-checked but not bound to a run or rank (what `lm-resiliency inspect` reports); None
+    when there is none. StatusRejected for a file that must not be trusted."""
+    data = read_owned(path, "status sidecar", StatusRejected, max_bytes)
+    if data is None:
+        return None
+    try:
+        doc = loads_strict_json(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise StatusRejected(f"{path}: status sidecar is not strict JSON: {exc}") from exc
+    problem = _status_problem(doc)
+    if problem is not None:
+        raise StatusRejected(f"{path}: {problem}; refusing to trust it")
+    return doc
 
 
 __all__ = [
     "FORMAT_VERSION", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
-    "run_namespace", "temp_scope",
+    "read_status_document", "run_namespace", "shard_key_of", "temp_scope",
 ]

@@ -36,7 +36,9 @@ def test_package_root_exports_exactly_the_stable_names_that_exist():
               "OrchestrationHooks", "replay_fault_reports", "RecoveryDecision", "RecoveryDecisionCallback",
               "RecoveryMode", "estimate_chunk_size",
               "ReplayWorkload", "GroupedExpertMaterializer", "LeadingDimensionMaterializer", "AllToAllReplayPolicy",
-              "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy"} | set(STABLE_EXPORTS)
+              "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy",
+              "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
+              "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError"} | set(STABLE_EXPORTS)
     assert sorted(lm_resiliency.__all__) == sorted(stable) and len(lm_resiliency.__all__) == len(stable)
     for name in lm_resiliency.__all__:
         assert getattr(lm_resiliency, name) is not None
