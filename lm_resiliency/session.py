@@ -764,7 +764,8 @@ class ResiliencySession:
             return
         self._log_summary(summary)
         if self._events is not None:
-            self._events.record("close", step=self.step_count, **summary)
+            abnormal = self.manager is not None and self.manager.ending_abnormally
+            self._events.record("close", step=self.step_count, abnormal=abnormal, **summary)
 
 
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:

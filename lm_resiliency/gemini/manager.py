@@ -911,6 +911,12 @@ class InMemoryCheckpointManager:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
+    @property
+    def ending_abnormally(self) -> bool:
+        """Whether this process is ending on a signal, an uncaught exception or a surface's
+        `keep_shared_on_close()` (its shared-memory slots are then kept for the restart)."""
+        return self._keep_shared
+
     def keep_shared_on_close(self) -> None:
         """This process is ending abnormally: `close()` keeps the shared-memory slots for a
         relaunch of the same run, as after a signal or an uncaught exception. It also stops
