@@ -399,20 +399,21 @@ def fresh_start_hint(disk_folder: str, shared_memory_dir: Optional[str], *, run_
             continue
         if run.world_size is not None and run.world_size != world_size:
             hints.append(f"state of run {run_id!r} exists for another topology ({run.world_size} ranks, step "
-                         f"{_newest(run)}) and cannot be loaded by {world_size} ranks")
+                         f"{newest_resumable_step(run)}) and cannot be loaded by {world_size} ranks")
         else:
             hints.append(f"state of run {run_id!r} exists for another topology ({run.describe()}, step "
-                         f"{_newest(run)}) and cannot be loaded by this one ({world_size} ranks, {framework})")
+                         f"{newest_resumable_step(run)}) and cannot be loaded by this one ({world_size} ranks, {framework})")
     if not stable:
         for run in inventory.runs:
             if run.run_id in (None, run_id) or run.newest_step is None or run.world_size not in (None, world_size):
                 continue
-            hints.append(f"this folder holds run {run.run_id!r}'s state (newest step {_newest(run)}); pass "
+            hints.append(f"this folder holds run {run.run_id!r}'s state (newest step {newest_resumable_step(run)}); pass "
                          f"run_id={run.run_id!r} to resume it")
     return "; ".join(hints[:3])
 
 
-def _newest(run: RunView) -> int:
+def newest_resumable_step(run: RunView) -> int:
+    """The step a relaunch of `run` would resume from, else its newest copy's step (0: none)."""
     choice = resume_choice(run)
     return choice.step if choice.step is not None else run.newest_step or 0
 

@@ -10,7 +10,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from lm_resiliency.gemini.shm import default_shared_memory_dir
-from lm_resiliency.inventory import DISK, SHARED, Inventory, RunView, age_text, resume_choice, scan
+from lm_resiliency.inventory import (DISK, SHARED, Inventory, RunView, age_text, newest_resumable_step, resume_choice,
+                                     scan)
 
 
 def add_arguments(parser: Any) -> None:
@@ -51,7 +52,7 @@ def _relaunch(inventory: Inventory, run_id: str, world_size: Optional[int]) -> D
     fitting = [r for r in same if world_size is None or r.world_size in (None, world_size)]
     who = f"run {run_id!r}" + (f" on {world_size} ranks" if world_size is not None else "")
     if not fitting:
-        others = "; ".join(f"{r.describe()} (newest step {r.newest_step})" for r in same)
+        others = "; ".join(f"{r.describe()} (step {newest_resumable_step(r)})" for r in same)
         why = (f"state of run {run_id!r} exists only for another topology: {others}" if same
                else f"no state of run {run_id!r} in {inventory.disk_folder} or {inventory.shared_memory_dir}")
         return {"run_id": run_id, "world_size": world_size, "step": None, "reason": f"a relaunch of {who} starts "
