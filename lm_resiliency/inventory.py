@@ -397,18 +397,19 @@ def fresh_start_hint(disk_folder: str, shared_memory_dir: Optional[str], *, run_
     for run in inventory.runs:
         if run.run_id != run_id or run.topology == topology or run.newest_step is None:
             continue
+        step = newest_resumable_step(run)
         if run.world_size is not None and run.world_size != world_size:
-            hints.append(f"state of run {run_id!r} exists for another topology ({run.world_size} ranks, step "
-                         f"{newest_resumable_step(run)}) and cannot be loaded by {world_size} ranks")
+            hints.append(f"state of run {run_id!r} exists for another topology ({run.world_size} ranks, step {step}) "
+                         f"and cannot be loaded by {world_size} ranks")
         else:
-            hints.append(f"state of run {run_id!r} exists for another topology ({run.describe()}, step "
-                         f"{newest_resumable_step(run)}) and cannot be loaded by this one ({world_size} ranks, {framework})")
+            hints.append(f"state of run {run_id!r} exists for another topology ({run.describe()}, step {step}) and "
+                         f"cannot be loaded by this one ({world_size} ranks, {framework})")
     if not stable:
         for run in inventory.runs:
             if run.run_id in (None, run_id) or run.newest_step is None or run.world_size not in (None, world_size):
                 continue
-            hints.append(f"this folder holds run {run.run_id!r}'s state (newest step {newest_resumable_step(run)}); pass "
-                         f"run_id={run.run_id!r} to resume it")
+            hints.append(f"this folder holds run {run.run_id!r}'s state (newest step {newest_resumable_step(run)}); "
+                         f"pass run_id={run.run_id!r} to resume it")
     return "; ".join(hints[:3])
 
 
