@@ -160,6 +160,15 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
+LEGEND = """\
+columns: injected@ = the iteration the fault was first injected in; detected@ = the step it was localized at
+  ("at load": a shard GEMINI refused while recovering); truth = the rank(s) it was injected on; localized = the
+  rank(s) the detector blamed (source:kind); exact = the blamed ranks equal the truth; ttl = time to localize, from
+  the injection to that localization; work lost = steps the failed generation ran past the recovered step (trained
+  again). A generation is one launch of the ranks: the supervisor relaunches them after each failure, and each
+  generation resumes from the step it recovered."""
+
+
 def format_metrics(label: str, report) -> str:
     def f(v: Optional[float], digits: int = 2) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
