@@ -80,7 +80,7 @@ class OverwriteGuard:
                 f"loop counts from somewhere else. Start the loop at step {self.step} (resiliency.step_count; under "
                 f"torchrun --rdzv-backend=lm_resiliency, {RESUME_STEP_NAME}) and load your own checkpoint only when "
                 "nothing was recovered (resiliency.recovered_from != 'gemini'), or pass it as enable_resiliency(..., "
-                "load_fallback=...) (docs/porting.md, 'Your own checkpoint and counters')")
+                "load_fallback=...) (docs/porting.md, section 4)")
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

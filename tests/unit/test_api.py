@@ -259,3 +259,12 @@ def test_checkpoint_io_marks_framework_checkpoints_with_scout_on(tmp_path):
         with session.checkpoint_io("delete"):
             pass
     session.close()
+
+
+def test_a_file_given_as_disk_folder_is_named_as_such(tmp_path):
+    (tmp_path / "gemini").write_text("not a folder")
+    model, optimizer = _objects()
+    with pytest.raises(NotADirectoryError) as refused:
+        enable_resiliency(model, optimizer, checkpoint=_config(tmp_path / "gemini"), enable_detection=False)
+    assert "InMemoryCkptConfig.disk_folder must be a directory" in str(refused.value)
+    assert str(tmp_path / "gemini") in str(refused.value)
