@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,11 +57,23 @@ def _inspect(base: str, *args: str) -> subprocess.CompletedProcess:
 CLEAN = {"LM_RESILIENCY_RUN_ID": "", "TORCHELASTIC_RUN_ID": ""}
 
 
-def test_inspect_names_both_runs_and_the_relaunch_resumes_where_it_says_and_fresh_starts_say_why(tmp_path):
-    base = str(tmp_path)
-    # ws3: 3 ranks with SCOUT (RECOVERY_VERIFIED steps), captures 2 and 4 flushed; ws2: 2 ranks, capture 2.
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """ws3: 3 ranks with SCOUT (RECOVERY_VERIFIED steps), captures 2 and 4 flushed; ws2: 2 ranks,
+    capture 2 flushed. Each test works on its own copy."""
+    base = str(tmp_path_factory.mktemp("two-runs"))
     assert [r[0] for r in run_ranks(_train, 3, base, "ws3", 5, True, timeout=300, env=CLEAN)] == [0, 0, 0]
     assert [r[0] for r in run_ranks(_train, 2, base, "ws2", 3, False, timeout=300, env=CLEAN)] == [0, 0]
+    return base
+
+
+def _copy(source: str, target) -> str:
+    shutil.copytree(os.path.join(source, "disk"), os.path.join(target, "disk"))
+    return str(target)
+
+
+def test_inspect_names_both_runs_and_the_relaunch_resumes_where_it_says(two_runs, tmp_path):
+    base = _copy(two_runs, tmp_path)
     # Step 4 of rank 2 is lost: its own shard and the replica rank 0 holds. Step 2 is the newest left.
     [ws3_dir] = [os.path.join(base, "disk", n) for n in os.listdir(os.path.join(base, "disk"))
                  if os.path.exists(os.path.join(base, "disk", n, "rank-00002"))]
@@ -94,10 +107,13 @@ def test_inspect_names_both_runs_and_the_relaunch_resumes_where_it_says_and_fres
     # What enable_resiliency then does: the step inspect named.
     assert [r[0] for r in run_ranks(_train, 3, base, "ws3", 2, True, timeout=300, env=CLEAN)] == [2, 2, 2]
 
+
+def test_a_fresh_start_names_the_state_it_could_not_use(two_runs, tmp_path):
+    base = _copy(two_runs, tmp_path)
     # The same run on 2 ranks cannot load the 3-rank state, and says so.
     resumed, fresh = run_ranks(_train, 2, base, "ws3", 0, False, timeout=300, env=CLEAN)[0]
     assert resumed == 0 and len(fresh) == 1
-    assert "state of run 'ws3' exists for another topology (3 ranks, step 2) and cannot be loaded by 2 ranks" in fresh[0]
+    assert "state of run 'ws3' exists for another topology (3 ranks, step 4) and cannot be loaded by 2 ranks" in fresh[0]
     # A relaunch without a run id finds only a new one: it names the run it could resume.
     resumed, fresh = run_ranks(_train, 2, base, None, 0, False, timeout=300, env=CLEAN)[0]
     assert resumed == 0 and len(fresh) == 1
