@@ -16,15 +16,12 @@ order) is one state machine whose ordering rules must be read together.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
-import functools
 import logging
 import os
 import random
 import shutil
 import threading
-import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_checkable
 
@@ -35,7 +32,7 @@ from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
-from lm_resiliency.events import EVENT_FILE, OLD_EVENT_FILE, EventLog
+from lm_resiliency.events import EVENT_FILE, OLD_EVENT_FILE
 from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
@@ -48,6 +45,7 @@ from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.scout.sweep import SweepReport
+from lm_resiliency.session_activity import SessionActivity
 from lm_resiliency.trust import CertificationLedger, DurableCheckpointConfig, verdict_of, worst
 from lm_resiliency.trust.handoff import recovery_decision
 
@@ -130,15 +128,7 @@ class ResiliencySession:
         self._lock = threading.RLock()
         self._closed = False
         self._guard: Optional[OverwriteGuard] = None
-        self._events: Optional[EventLog] = None
-        # What the close summary says: captures, SCOUT verdicts, time on the training thread.
-        self.captures_taken = 0
-        self.scout_verdicts: "collections.Counter[str]" = collections.Counter()
-        self._last_capture_step: Optional[int] = None
-        self._cadence: Optional[int] = None
-        self._started_at = time.monotonic()
-        self._first_step = 0
-        self._hook_seconds = 0.0
+        self.activity = SessionActivity(self.config.interval)  # event log, cadence lines, close summary
         self.manager: Optional[InMemoryCheckpointManager] = None
         self.scout: Optional[ScoutHarness] = None
         self.ledger: Optional[CertificationLedger] = None
@@ -168,12 +158,14 @@ class ResiliencySession:
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
                                  "accepted replay check at each checkpoint boundary)")
-            self._open_event_log(topology.kind)
+            if self.manager is not None and self.manager.store is not None:
+                self.activity.open(self.manager, layout=topology.kind, framework=adapter.describe(),
+                                   detection=self.scout is not None)
             controls = SessionControls(lambda: self.step_count, self.continue_from, self.keep_state_for_relaunch,
                                        self.close)
-            adapter.install(StepCallbacks(self._timed(self._before_optimizer_step),
-                                          self._timed(self._after_optimizer_step), self._timed(self._before_forward),
-                                          self._timed(self._skipped_optimizer_step), controls))
+            timed = self.activity.timed
+            adapter.install(StepCallbacks(timed(self._before_optimizer_step), timed(self._after_optimizer_step),
+                                          timed(self._before_forward), timed(self._skipped_optimizer_step), controls))
         except BaseException:
             try:
                 self.close()
@@ -210,7 +202,7 @@ class ResiliencySession:
                 state = self.manager.load() if step is not None else None
         if verified_only and step is None:
             step = self._recover_verified_durable()
-            self._resumed(step, "durable", "the certified durable checkpoint")
+            self.activity.resumed(step, "durable", "the certified durable checkpoint")
             self._announce(f"resumed {self._run_name()}at step {step} from the certified durable checkpoint "
                            "(no RECOVERY_VERIFIED GEMINI state)")
             return step
@@ -226,7 +218,7 @@ class ResiliencySession:
             if self.ledger is not None:
                 self.ledger.resume_from(step)
             sources = self._sources_text()
-            self._resumed(step, "gemini", sources)
+            self.activity.resumed(step, "gemini", sources)
             targets = self.adapter.overwrite_targets()
             if targets:
                 self._guard = OverwriteGuard(targets, step=step,
@@ -244,20 +236,12 @@ class ResiliencySession:
                 message = f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}"
             else:
                 message = f"no GEMINI state to resume ({why}); load_fallback ran and returned no step"
-            self._resumed(self.step_count, "fallback", why)
+            self.activity.resumed(self.step_count, "fallback", why)
             self._announce(message)
             return self.step_count
-        self._first_step = self.step_count
-        if self._events is not None:
-            self._events.record("fresh", step=self.step_count, reason=why)
+        self.activity.fresh(self.step_count, why)
         self._announce(f"started fresh: {why}")
         return None
-
-    def _resumed(self, step: int, source: str, where: str) -> None:
-        self._first_step = step
-        self._last_capture_step = step
-        if self._events is not None:
-            self._events.record("recovered", step=step, source=source, where=where)
 
     def _disarm_guard(self) -> None:
         guard, self._guard = self._guard, None
@@ -384,8 +368,7 @@ class ResiliencySession:
                     self._refuse_nonfinite(list(decision.nonfinite_ranks), nonfinite)
                 if not decision.capture:
                     logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
-                    if self._events is not None:
-                        self._events.record("vetoed", step=self.step_count, reason=decision.reason)
+                    self.activity.record("vetoed", step=self.step_count, reason=decision.reason)
                     return
             elif nonfinite:
                 self._refuse_nonfinite([dist.get_rank() if dist.is_initialized() else 0], nonfinite)
@@ -438,14 +421,13 @@ class ResiliencySession:
         # The verdict a capture boundary sees is the worst since the previous boundary
         # ("incomplete" until the first result).
         verdict = verdict_of(result)
-        self.scout_verdicts[verdict] += 1
+        self.activity.verdict(verdict)
         self._boundary_verdict = (verdict if self._boundary_verdict == "incomplete"
                                   else worst(verdict, self._boundary_verdict))
         if result.healthy:
             return
-        if self._events is not None:
-            for report in replay_fault_reports(result):
-                self._record_report(report)
+        for report in replay_fault_reports(result):
+            self.activity.report(report)
         if self._fault_callback is not None:
             self._fault_callback(result)
         if self._orchestration is not None:
@@ -475,7 +457,7 @@ class ResiliencySession:
 
     def _on_oob_report(self, report: SCOUTFaultReport) -> None:
         """Runs on the monitor thread: never touches the (possibly blocked) training process group."""
-        self._record_report(report)
+        self.activity.report(report)
         decision = self._decide(report.kind if report.kind != "hang" else "hang", all_ranks_accessible=True)
         hooks = self._orchestration
         if hooks is not None and hooks.report_recovery is not None:
@@ -495,89 +477,16 @@ class ResiliencySession:
                      "rng": pending["rng"], "extra": extra, "step": pending["step"]}
             # Parameters and optimizer state were checked at the boundary (`_nonfinite_state`).
             self.manager.save(state, pending["step"], check_finite=False if pending["checked"] else None)
-            self._captured(pending["step"])
-
-    def _captured(self, step: int) -> None:
-        """Count a capture; say so (INFO, rank 0) when the cadence is new: the first capture, and
-        whenever the gap to the previous one changes (a vetoed or refused capture, a recovery)."""
-        self.captures_taken += 1
-        gap = step - self._last_capture_step if self._last_capture_step is not None else None
-        if self._events is not None:
-            self._events.record("capture", step=step)
-        if (self._cadence is None or gap != self._cadence) and self.manager is not None and self.manager.rank == 0:
-            manager = self.manager
-            replica = (f"replicated to rank {manager.pairing.send_to}" if manager.pairing is not None
-                       else "not replicated")
-            flush = (f"flushed to {manager.config.disk_folder} every {manager.config.disk_flush_interval} steps"
-                     if manager.config.disk_flush_interval else "flushed to disk only at exit or on a signal")
-            if self._cadence is None or gap == self.config.interval:
-                logger.info("GEMINI: captured step %d; capturing every %d optimizer steps (%s, %s)", step,
-                            self.config.interval, replica, flush)
-            else:
-                logger.info("GEMINI: captured step %d, %d steps after the previous capture (step %d); the cadence "
-                            "stays every %d steps", step, gap, self._last_capture_step, self.config.interval)
-        self._last_capture_step = step
-        self._cadence = gap if gap is not None else self.config.interval
-
-    def _record_report(self, report: SCOUTFaultReport) -> None:
-        if self._events is not None:
-            self._events.record("report", step=report.step if is_int(report.step) and report.step >= 0 else None,
-                                kind=report.kind, ranks=list(report.ranks), resource=report.resource)
-
-    def _timed(self, hook: Callable[[], None]) -> Callable[[], None]:
-        """`hook`, adding its time to what the close summary reports as spent in lm-resiliency."""
-        @functools.wraps(hook)
-        def timed() -> None:
-            began = time.perf_counter()
-            try:
-                hook()
-            finally:
-                self._hook_seconds += time.perf_counter() - began
-
-        return timed
-
-    def _open_event_log(self, kind: str) -> None:
-        manager = self.manager
-        if manager is None or manager.store is None:
-            return
-        self._events = EventLog(manager.store.directory, run_id=manager.run_id, rank=manager.rank,
-                                world_size=manager.world_size)
-        self._events.record(
-            "start", step=None, topology=manager.topology, layout=kind, framework=self.adapter.describe(),
-            jump=manager.pairing.jump if manager.pairing is not None else 0, interval=self.config.interval,
-            disk_flush_interval=self.config.disk_flush_interval, disk_folder=manager.config.disk_folder,
-            restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"), pid=os.getpid(), detection=self.scout is not None)
+            self.activity.captured(pending["step"], self.manager)
 
     def summary(self) -> Dict[str, Any]:
         """What this session did (this rank's view; JSON-ready): optimizer steps, captures, the
         newest recoverable and RECOVERY_VERIFIED steps, SCOUT checks by verdict, and the seconds
         the training thread spent in lm-resiliency's hooks out of the session's wall time."""
-        verified = self.ledger.recovery_verified_step if self.ledger is not None else None
-        return {"steps": self.step_count - self._first_step, "first_step": self._first_step,
-                "last_step": self.step_count, "captures": self.captures_taken,
-                "newest_recoverable_step": self.latest_gemini_step if self.manager is not None else -1,
-                "recovery_verified_step": verified, "scout_checks": sum(self.scout_verdicts.values()),
-                "scout_verdicts": dict(sorted(self.scout_verdicts.items())),
-                "scout_check_errors": self.scout_check_errors, "hook_seconds": round(self._hook_seconds, 3),
-                "wall_seconds": round(time.monotonic() - self._started_at, 3)}
-
-    def _log_summary(self, summary: Dict[str, Any]) -> None:
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        newest = summary["newest_recoverable_step"]
-        verified = summary["recovery_verified_step"]
-        if self.scout is None:
-            scout = "SCOUT off"
-        else:
-            verdicts = ", ".join(f"{n} {v}" for v, n in summary["scout_verdicts"].items()) or "none"
-            scout = f"SCOUT {summary['scout_checks']} checks ({verdicts})"
-        wall = summary["wall_seconds"]
-        share = f" ({100 * summary['hook_seconds'] / wall:.1f}%)" if wall > 0 else ""
-        logger.info("lm-resiliency: %sclosing after %d optimizer steps (%d to %d): %d captures, newest recoverable "
-                    "step %s, RECOVERY_VERIFIED step %s; %s; %.2f s of %.1f s on the training thread in "
-                    "lm-resiliency%s", self._run_name(), summary["steps"], summary["first_step"],
-                    summary["last_step"], summary["captures"], newest if newest >= 0 else "none",
-                    verified if verified is not None else "none", scout, summary["hook_seconds"], wall, share)
+        return self.activity.summary(
+            step=self.step_count, newest_recoverable=self.latest_gemini_step,
+            verified=self.ledger.recovery_verified_step if self.ledger is not None else None,
+            check_errors=self.scout_check_errors)
 
     # ------------------------------------------------- what framework surfaces read
 
@@ -756,16 +665,15 @@ class ResiliencySession:
             raise failure
 
     def _close_report(self) -> None:
-        """The rank-0 summary line (INFO) and the `close` event; never fails the teardown."""
+        """The `close` event and rank 0's summary line (INFO); never fails the teardown."""
         try:
             summary = self.summary()
         except Exception as exc:  # noqa: BLE001 - a summary must never hide the teardown's own error
             logger.debug("lm-resiliency: no close summary: %s", exc)
             return
-        self._log_summary(summary)
-        if self._events is not None:
-            abnormal = self.manager is not None and self.manager.ending_abnormally
-            self._events.record("close", step=self.step_count, abnormal=abnormal, **summary)
+        self.activity.closed(summary, run_name=self._run_name(), detection=self.scout is not None,
+                             rank=dist.get_rank() if dist.is_initialized() else 0,
+                             abnormal=self.manager is not None and self.manager.ending_abnormally)
 
 
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:

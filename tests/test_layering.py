@@ -6,7 +6,7 @@ Layers, highest first; a module may import its own layer or lower ones, never a 
               __main__
     adapters  adapters.*
     session   session, attach, settings, adapter (the framework contract), cleanup, faults.*,
-              inventory, recovered_state
+              inventory, recovered_state, session_activity
     engine    gemini.*, scout.*, trust.*, manager_api.*  (gemini, scout and trust never import
               each other; trust reaches GEMINI's storage through its StatusStore protocol and
               SCOUT's results through its ReplayEvidence protocol)
@@ -38,7 +38,7 @@ _PREFIXES = (
     ("lm_resiliency.settings", "session"),
     ("lm_resiliency.adapter", "session"), ("lm_resiliency.cleanup", "session"),
     ("lm_resiliency.faults", "session"), ("lm_resiliency.inventory", "session"),
-    ("lm_resiliency.recovered_state", "session"),
+    ("lm_resiliency.recovered_state", "session"), ("lm_resiliency.session_activity", "session"),
     ("lm_resiliency.gemini", "engine"), ("lm_resiliency.scout", "engine"),
     ("lm_resiliency.trust", "engine"), ("lm_resiliency.manager_api", "engine"),
 )

@@ -64,7 +64,7 @@ def test_unset_only_the_resume_note_shows_and_a_bad_value_is_named(tmp_path):
 def test_an_applications_own_logging_prints_every_line_once(tmp_path):
     err = _run(tmp_path, "info", "app-logging")
     assert err.count("closing after 5 optimizer steps") == 1
-    assert "APP lm_resiliency.session: lm-resiliency: run 'logs' closing after" in err
+    assert "APP lm_resiliency.session_activity: lm-resiliency: run 'logs' closing after" in err
 
 
 def test_the_variable_is_read_by_config():
