@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
@@ -57,8 +57,9 @@ class OverwriteGuard:
         self.step = step
         self.what = what
         modules, optimizers = _modules_and_optimizers(targets)
-        # Hooks travel with copy.deepcopy (an EMA copy of the model): only these objects are refused.
-        self._guarded = weakref.WeakSet([*modules, *optimizers])
+        # Hooks travel with copy.deepcopy (an EMA copy of the model): only these objects are refused
+        # (by identity: a module class may define __eq__ without __hash__).
+        self._guarded = {id(obj) for obj in [*modules, *optimizers]}
         self._handles: List[Any] = []
         for module in modules:
             self._handles.append(module.register_load_state_dict_pre_hook(self._module_hook))
@@ -66,11 +67,11 @@ class OverwriteGuard:
             self._handles.append(optimizer.register_load_state_dict_pre_hook(self._optimizer_hook))
 
     def _module_hook(self, module: Any, *args: Any) -> None:
-        if module in self._guarded:
+        if id(module) in self._guarded:
             raise RecoveredStateOverwrite(self.message(f"{type(module).__name__}.load_state_dict()"))
 
     def _optimizer_hook(self, optimizer: Any, state_dict: Any) -> None:
-        if optimizer in self._guarded:
+        if id(optimizer) in self._guarded:
             raise RecoveredStateOverwrite(self.message(f"{type(optimizer).__name__}.load_state_dict()"))
         return None
 
@@ -96,17 +97,19 @@ class EarlyLoads:
     def __init__(self, step: int, loading: Any) -> None:
         self.step = step
         self._loading = loading
-        self._loaded: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._names: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+        self._loaded: Dict[int, Any] = {}  # id -> weak reference: by identity, whatever __eq__ says
         self.read_step = False
         self._lock = threading.Lock()
 
     def note_load(self, obj: Any) -> None:
         if self._loading():
             return
+        try:
+            ref = weakref.ref(obj)
+        except TypeError:
+            return  # not an object the adapter could attach to
         with self._lock:
-            self._loaded.add(obj)
-            self._names[obj] = type(obj).__name__
+            self._loaded[id(obj)] = ref
 
     def note_step_read(self) -> None:
         self.read_step = True
@@ -137,8 +140,8 @@ class EarlyLoads:
             return ""
         modules, optimizers = _modules_and_optimizers(targets)
         with self._lock:
-            loaded = sorted({self._names.get(obj, type(obj).__name__) for obj in [*modules, *optimizers]
-                             if obj in self._loaded})
+            loaded = sorted({type(obj).__name__ for obj in [*modules, *optimizers]
+                             if id(obj) in self._loaded and self._loaded[id(obj)]() is obj})
         if not loaded:
             return ""
         return f"{', '.join(loaded)}.load_state_dict() ran before the attach"
