@@ -63,6 +63,8 @@ def test_the_tutorial_script_stops_with_the_message_unchanged_and_ends_exact_wit
     assert "Linear.load_state_dict() ran before the attach; ranks 0, 1, 2" in log
     assert "without reading LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP" in log
     assert not [n for n in os.listdir(unchanged_out) if n.startswith("final-")]  # never silently finished
+    # The survivors of the kill (a gloo error, or torchrun's SIGTERM) say what they kept for the restart.
+    assert "; its newest capture, step 10, is written to " in log and "for the restart" in log
 
     edited, edited_out = _run(base, "edited", ["edited", *KILL], max_restarts=1)
     assert edited.returncode == 0, edited.stdout[-6000:]

@@ -71,3 +71,15 @@ def test_the_variable_is_read_by_config():
     assert env_log_level({}) is None and env_log_level({"LM_RESILIENCY_LOG_LEVEL": " debug "}) == "DEBUG"
     with pytest.raises(ConfigError, match="LM_RESILIENCY_LOG_LEVEL='LOUD'"):
         env_log_level({"LM_RESILIENCY_LOG_LEVEL": "loud"})
+
+
+def test_the_one_node_pairing_note_is_said_once_per_process(monkeypatch, caplog):
+    from lm_resiliency.gemini import replication
+
+    monkeypatch.setattr(replication, "_warned_one_node", False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level("WARNING", logger="lm_resiliency.gemini.replication"):
+        assert [replication.resolve_jump(-1, 4) for _ in range(3)] == [2, 2, 2]
+    notes = [r.getMessage() for r in caplog.records if "appear to share one node" in r.getMessage()]
+    assert notes == ["GEMINI: all 4 ranks appear to share one node; replicating to rank + 2, which protects "
+                     "against a process crash but not against losing the node"]
