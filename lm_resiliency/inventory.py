@@ -174,7 +174,10 @@ def _run(namespace: str, directory: Optional[str], shm_directory: str) -> RunVie
     for rank, path in _rank_dirs(directory, _DISK_RANK_RE):
         view = ranks.setdefault(rank, _blank(rank))
         view["directory"] = path
-        newest = max(newest, _read_disk_rank(rank, path, view, identity))
+        try:
+            newest = max(newest, _read_disk_rank(rank, path, view, identity))
+        except OSError as exc:
+            view["problems"].append(f"{path}: cannot read it: {exc}")
     if os.path.isdir(shm_directory) and not os.path.islink(shm_directory):
         for rank, path in _rank_dirs(shm_directory, _SHM_RANK_RE):
             view = ranks.setdefault(rank, _blank(rank))

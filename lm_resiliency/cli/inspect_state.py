@@ -118,7 +118,8 @@ def format_inventory(doc: Dict[str, Any]) -> str:
 def _format_run(run: Dict[str, Any]) -> List[str]:
     ranks = f"{run['world_size']} ranks" if run["world_size"] else "world size unknown (no event log)"
     where = run["directory"] or f"{run['shared_memory_directory']} (shared memory only: another disk folder)"
-    lines = [f"run {run['run_id']!r}: {ranks}, {run['framework'] or 'framework unknown'}, topology "
+    name = repr(run["run_id"]) if run["run_id"] is not None else "(id unknown: no event log or sidecar names it)"
+    lines = [f"run {name}: {ranks}, {run['framework'] or 'framework unknown'}, topology "
              f"{(run['topology'] or '?')[:12]}, {run['launches']} launch(es), last written "
              f"{age_text(run['last_written'])} ago", f"  {where}",
              "  rank  newest step  RECOVERY_VERIFIED  node-local disk         shared memory"]
