@@ -173,12 +173,12 @@ def _lanes_panel(ax: Any, picture: Picture) -> None:
     for prev, gen in zip(gens, gens[1:]):
         if prev.last_step is not None and gen.resumed_step is not None:
             _restart_arrow(ax, (prev.last_step, prev.index), (gen.resumed_step, gen.index), gen.resumed_step)
-    for mark in picture.marks:
-        if mark.kind == "localized" and mark.step is not None:
-            lane = mark.generation if mark.generation is not None else 0
-            ax.plot([mark.step], [lane], "X", ms=12, color=mark.color, markeredgecolor="white", zorder=6)
-            ax.annotate(mark.label, (mark.step, lane), xytext=(4, 8), textcoords="offset points", fontsize=8,
-                        color=mark.color)
+    localized = [m for m in picture.marks if m.kind == "localized" and m.step is not None]
+    for i, mark in enumerate(localized):
+        lane = mark.generation if mark.generation is not None else 0
+        ax.plot([mark.step], [lane], "X", ms=12, color=mark.color, markeredgecolor="white", zorder=6)
+        ax.annotate(mark.label, (mark.step, lane), xytext=(4, 8 if i % 2 == 0 else -16), textcoords="offset points",
+                    fontsize=8, color=mark.color)  # alternate above and below: neighbours do not overlap
     ax.set_ylim(len(gens) - 0.4, -0.6)
     _injections(ax, picture, -0.6)
     ax.set_yticks(range(len(gens)))

@@ -127,7 +127,7 @@ def build(run_dir: str) -> Tuple[Picture, Dict[str, Any]]:
         generations.append(Generation(
             index=index, launched_at=start["t"], ended_at=ended_at, resumed_step=resumed_step, end=end,
             points=tuple(points), captures=captures,
-            stopped_at=reports[0]["t"] if reports and close is None else None))
+            stopped_at=reports[-1]["t"] if reports and close is None else None))  # what ended it: the last report
     steps = [s for g in generations for s, _, _ in g.points] + [m.step for m in marks if m.step is not None]
     first = starts[0]
     picture = Picture(
