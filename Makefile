@@ -37,9 +37,9 @@ lint: venv
 test-slow: venv
 	$(PY) -m pytest -q -m slow
 
-# The demo needs the `demo` extra (matplotlib for its timeline picture): its own stamp, test,demo.
+# The demo needs only the `demo` extra (matplotlib for its timeline picture), under its own stamp.
 demo:
-	$(MAKE) --no-print-directory venv EXTRAS=test,demo
+	$(MAKE) --no-print-directory venv EXTRAS=demo
 	$(PY) examples/resiliency_demo.py
 
 bench: venv

@@ -307,6 +307,9 @@ class PyTorchAdapter(FrameworkAdapter):
     def replay_targets(self) -> tuple:
         return self.model, self.optimizer
 
+    def overwrite_targets(self) -> tuple:
+        return self.model, self.optimizer
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

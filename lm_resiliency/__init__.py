@@ -4,7 +4,8 @@ Stable package-root API. Only names whose features exist are exported (see docs/
 """
 
 from lm_resiliency.api import FrameworkName, enable_resiliency
-from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.codec import StateEncodingError
+from lm_resiliency.config import ConfigError, InMemoryCkptConfig
 from lm_resiliency.faults import (
     SCHEMA_VERSION,
     CallbackFaultExecutor,
@@ -42,7 +43,13 @@ from lm_resiliency.faults import (
     enable_fault_injection,
 )
 from lm_resiliency.gemini.chunking import estimate_chunk_size
+from lm_resiliency.gemini.identity import IdentityMismatch
+from lm_resiliency.gemini.integrity import IntegrityError, NonFiniteState
+from lm_resiliency.gemini.manager import RecoveryUnavailable
+from lm_resiliency.gemini.workers import BackgroundError
+from lm_resiliency.log_level import apply_environment_log_level
 from lm_resiliency.manager_api.hooks import OrchestrationHooks
+from lm_resiliency.recovered_state import RecoveredStateOverwrite
 from lm_resiliency.recovery import RecoveryDecision, RecoveryDecisionCallback, RecoveryMode
 from lm_resiliency.scout.alltoall_policy import (
     AllToAllCapture,
@@ -55,6 +62,7 @@ from lm_resiliency.scout.moe_workload import GroupedExpertMaterializer, LeadingD
 from lm_resiliency.scout.reports import SCOUTFaultCallback, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.session import ResiliencyHandle, ResiliencySession
 from lm_resiliency.trust import CallbackDurableCheckpointAdapter, DurableCheckpointConfig
+from lm_resiliency.trust.errors import CertificationError
 
 __all__ = [
     # Activation and lifecycle
@@ -73,6 +81,9 @@ __all__ = [
     "RecoveryDecision", "RecoveryDecisionCallback", "RecoveryMode",
     # Checkpoint tuning
     "estimate_chunk_size",
+    # Errors users catch (what each one means: docs/api.md, "Errors")
+    "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
+    "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError",
     # Fault injection evaluation
     "enable_fault_injection", "SCHEMA_VERSION", "FaultCampaign", "FaultIncident", "IncidentTrigger",
     "IncidentLifetime", "IterationRange", "ClockSpec", "ClockType", "ClockOrigin", "FaultSpec", "FaultTarget",
@@ -82,3 +93,5 @@ __all__ = [
     "LocalizationResult", "FaultEvaluation", "CampaignReport", "CampaignJournal", "CampaignStateStore",
     "MemoryCampaignStateStore", "JsonCampaignStateStore",
 ]
+
+apply_environment_log_level()  # LM_RESILIENCY_LOG_LEVEL (docs/api.md, "Logging")

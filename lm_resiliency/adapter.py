@@ -83,6 +83,13 @@ class FrameworkAdapter:
         """(root module, optimizer) that SCOUT replays and checks."""
         raise NotImplementedError
 
+    def overwrite_targets(self) -> tuple:
+        """The modules and optimizers whose `load_state_dict` by user code is refused right after a
+        GEMINI recovery (lm_resiliency.recovered_state). Empty (the default): the framework's own
+        restore path loads the recovered state after the session's recovery (Lightning), or
+        guards its own loader (DeepSpeed, TorchTitan)."""
+        return ()
+
     def remove(self) -> None:
         """Remove every hook installed by `install`. Idempotent."""
 

@@ -2,7 +2,7 @@
 the one reader of every `LM_RESILIENCY*` variable: the opt-in policy's (`read_policy_environment`;
 the policy itself, its files and `read_settings` are `lm_resiliency.settings`, a layer up, since
 they build SCOUT's `ReplayHarnessConfig`) and the variables read whatever LM_RESILIENCY says
-(`env_run_id`, `env_keep_shared_memory`, `env_resume_step`)."""
+(`env_run_id`, `env_keep_shared_memory`, `env_resume_step`, `env_log_level`)."""
 
 from __future__ import annotations
 
@@ -174,6 +174,8 @@ def read_policy_environment(environ: Optional[Mapping[str, str]] = None) -> Opti
 RUN_ID_ENV = "LM_RESILIENCY_RUN_ID"
 KEEP_SHARED_MEMORY_ENV = "LM_RESILIENCY_KEEP_SHARED_MEMORY"
 RESUME_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
+LOG_LEVEL_ENV = "LM_RESILIENCY_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def env_run_id(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -192,6 +194,17 @@ def env_resume_step(environ: Optional[Mapping[str, str]] = None) -> Optional[int
     """LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP: the optimizer steps a relaunch already completed
     (None when unset or empty); ConfigError naming the variable for anything but digits."""
     return _env_int(os.environ if environ is None else environ, RESUME_STEP_ENV, 0)
+
+
+def env_log_level(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """LM_RESILIENCY_LOG_LEVEL: the level of the `lm_resiliency` loggers (None when unset or
+    empty); ConfigError naming the variable for anything but DEBUG, INFO, WARNING or ERROR (any case)."""
+    text = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV, "").strip().upper()
+    if not text:
+        return None
+    if text not in LOG_LEVELS:
+        raise ConfigError(f"{LOG_LEVEL_ENV}={text!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return text
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> Optional[int]:

@@ -33,16 +33,20 @@ from lm_resiliency import wire
 from lm_resiliency.adapter import FrameworkAdapter, SessionControls, StepCallbacks, check_extra_state
 from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.files import RecordRejected, atomic_write, ensure_private_dir, open_owned
+from lm_resiliency.events import EVENT_FILE, OLD_EVENT_FILE
 from lm_resiliency.gemini.identity import FIX
 from lm_resiliency.gemini.integrity import NonFiniteState, nonfinite_indices, nonfinite_values
 from lm_resiliency.gemini.manager import InMemoryCheckpointManager, RecoveryUnavailable
+from lm_resiliency.inventory import fresh_start_hint
 from lm_resiliency.manager_api.hooks import OrchestrationHooks, dispatch_replay_faults
+from lm_resiliency.recovered_state import OverwriteGuard
 from lm_resiliency.recovery import FailureClass, RecoveryDecision, RecoveryMode, SweepOutcome, select_mode
 from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
 from lm_resiliency.scout.harness import ScoutHarness
 from lm_resiliency.scout.replay import ReplayError
 from lm_resiliency.scout.reports import ReplayResult, SCOUTFaultReport, replay_fault_reports
 from lm_resiliency.scout.sweep import SweepReport
+from lm_resiliency.session_activity import SessionActivity
 from lm_resiliency.trust import CertificationLedger, DurableCheckpointConfig, verdict_of, worst
 from lm_resiliency.trust.handoff import recovery_decision
 
@@ -124,6 +128,8 @@ class ResiliencySession:
         self.scout_check_errors = 0
         self._lock = threading.RLock()
         self._closed = False
+        self._guard: Optional[OverwriteGuard] = None
+        self.activity = SessionActivity(self.config.interval)  # event log, cadence lines, close summary
         self.manager: Optional[InMemoryCheckpointManager] = None
         self.scout: Optional[ScoutHarness] = None
         self.ledger: Optional[CertificationLedger] = None
@@ -153,10 +159,14 @@ class ResiliencySession:
             elif durable_checkpoint is not None:
                 raise ValueError("durable_checkpoint= needs SCOUT replay and GEMINI (certification requires an "
                                  "accepted replay check at each checkpoint boundary)")
+            if self.manager is not None and self.manager.store is not None:
+                self.activity.open(self.manager, layout=topology.kind, framework=adapter.describe(),
+                                   detection=self.scout is not None)
             controls = SessionControls(lambda: self.step_count, self.continue_from, self.keep_state_for_relaunch,
                                        self.close)
-            adapter.install(StepCallbacks(self._before_optimizer_step, self._after_optimizer_step,
-                                          self._before_forward, self._skipped_optimizer_step, controls))
+            timed = self.activity.timed
+            adapter.install(StepCallbacks(timed(self._before_optimizer_step), timed(self._after_optimizer_step),
+                                          timed(self._before_forward), timed(self._skipped_optimizer_step), controls))
         except BaseException:
             try:
                 self.close()
@@ -176,6 +186,7 @@ class ResiliencySession:
         RecoveryUnavailable is raised: no other step, no fallback."""
         exact = step
         step = None
+        self._disarm_guard()  # the session's own loads below are never refused
         verified_only = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED or (
             self.ledger is not None and self.ledger.requires_verified_recovery)
         if exact is not None and self.manager is None:
@@ -192,6 +203,7 @@ class ResiliencySession:
                 state = self.manager.load() if step is not None else None
         if verified_only and step is None:
             step = self._recover_verified_durable()
+            self.activity.resumed(step, "durable", "the certified durable checkpoint")
             self._announce(f"resumed {self._run_name()}at step {step} from the certified durable checkpoint "
                            "(no RECOVERY_VERIFIED GEMINI state)")
             return step
@@ -206,7 +218,13 @@ class ResiliencySession:
             self.recovered_from = "gemini"
             if self.ledger is not None:
                 self.ledger.resume_from(step)
-            self._announce(f"resumed {self._run_name()}at step {step} from {self._sources_text()} "
+            sources = self._sources_text()
+            self.activity.resumed(step, "gemini", sources)
+            targets = self.adapter.overwrite_targets()
+            if targets:
+                self._guard = OverwriteGuard(targets, step=step,
+                                             what=f"{self._run_name()}at GEMINI step {step} (from {sources})")
+            self._announce(f"resumed {self._run_name()}at step {step} from {sources} "
                            f"({self.adapter.describe()})")
             return step
         why = self._fresh_reason()
@@ -216,12 +234,20 @@ class ResiliencySession:
             self.recovered_from = "fallback"
             if is_int(result):
                 self.step_count = result
-                self._announce(f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}")
+                message = f"resumed {self._run_name()}at step {result} from fallback (load_fallback): {why}"
             else:
-                self._announce(f"no GEMINI state to resume ({why}); load_fallback ran and returned no step")
+                message = f"no GEMINI state to resume ({why}); load_fallback ran and returned no step"
+            self.activity.resumed(self.step_count, "fallback", why)
+            self._announce(message)
             return self.step_count
+        self.activity.fresh(self.step_count, why)
         self._announce(f"started fresh: {why}")
         return None
+
+    def _disarm_guard(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.remove()
 
     def _run_name(self) -> str:
         return f"run {self.manager.run_id!r} " if self.manager is not None else ""
@@ -246,9 +272,24 @@ class ResiliencySession:
                     "can load")
         reason = (f"no GEMINI state of run {manager.run_id!r} (from {manager.identity.source}) in memory, "
                   f"shared memory or {manager.config.disk_folder}")
+        hint = self._other_state_hint() if manager.rank == 0 else ""
+        if hint:
+            reason += f"; {hint}"
         if not manager.identity.stable:
             reason += f"; this run id is new for every launch, so no relaunch can resume: {FIX}"
         return reason
+
+    def _other_state_hint(self) -> str:
+        """State in the same folders that this start could not use (another topology of this run,
+        another run's state when this run id is new): what `lm-resiliency inspect` shows."""
+        manager = self.manager
+        try:
+            return fresh_start_hint(manager.config.disk_folder, manager.config.shared_memory_dir,
+                                    run_id=manager.run_id, topology=manager.topology, world_size=manager.world_size,
+                                    framework=self.adapter.describe(), stable=manager.identity.stable)
+        except Exception as exc:  # noqa: BLE001 - a hint must never stop a start
+            logger.debug("lm-resiliency: no hint about other GEMINI state: %s", exc)
+            return ""
 
     @staticmethod
     def _announce(message: str) -> None:
@@ -308,6 +349,8 @@ class ResiliencySession:
     def _after_optimizer_step(self) -> None:
         with self._lock:
             self.step_count += 1
+            if self._guard is not None:
+                self._disarm_guard()  # training went on from the recovered state: later loads are the loop's own
             if self.scout is not None:
                 self._note_local_fault(self.scout.after_optimizer_step(self.step_count))
             if not self._capture_due():
@@ -326,6 +369,7 @@ class ResiliencySession:
                     self._refuse_nonfinite(list(decision.nonfinite_ranks), nonfinite)
                 if not decision.capture:
                     logger.warning("lm-resiliency: capture of step %d vetoed: %s", self.step_count, decision.reason)
+                    self.activity.record("vetoed", step=self.step_count, reason=decision.reason)
                     return
             elif nonfinite:
                 self._refuse_nonfinite([dist.get_rank() if dist.is_initialized() else 0], nonfinite)
@@ -372,6 +416,8 @@ class ResiliencySession:
         skips alike because the gradients were all-reduced before the scaler checked them."""
         with self._lock:
             self.step_count += 1
+            if self._guard is not None:
+                self._disarm_guard()
             if self.scout is not None:
                 self._note_local_fault(self.scout.after_optimizer_step(self.step_count, skipped=True))
 
@@ -386,10 +432,13 @@ class ResiliencySession:
         # The verdict a capture boundary sees is the worst since the previous boundary
         # ("incomplete" until the first result).
         verdict = verdict_of(result)
+        self.activity.verdict(verdict)
         self._boundary_verdict = (verdict if self._boundary_verdict == "incomplete"
                                   else worst(verdict, self._boundary_verdict))
         if result.healthy:
             return
+        for report in replay_fault_reports(result):
+            self.activity.report(report)
         if self._fault_callback is not None:
             self._fault_callback(result)
         if self._orchestration is not None:
@@ -419,6 +468,7 @@ class ResiliencySession:
 
     def _on_oob_report(self, report: SCOUTFaultReport) -> None:
         """Runs on the monitor thread: never touches the (possibly blocked) training process group."""
+        self.activity.report(report)
         decision = self._decide(report.kind if report.kind != "hang" else "hang", all_ranks_accessible=True)
         hooks = self._orchestration
         if hooks is not None and hooks.report_recovery is not None:
@@ -438,6 +488,16 @@ class ResiliencySession:
                      "rng": pending["rng"], "extra": extra, "step": pending["step"]}
             # Parameters and optimizer state were checked at the boundary (`_nonfinite_state`).
             self.manager.save(state, pending["step"], check_finite=False if pending["checked"] else None)
+            self.activity.captured(pending["step"], self.manager)
+
+    def summary(self) -> Dict[str, Any]:
+        """What this session did (this rank's view; JSON-ready): optimizer steps, captures, the
+        newest recoverable and RECOVERY_VERIFIED steps, SCOUT checks by verdict, and the seconds
+        the training thread spent in lm-resiliency's hooks out of the session's wall time."""
+        return self.activity.summary(
+            step=self.step_count, newest_recoverable=self.latest_gemini_step,
+            verified=self.ledger.recovery_verified_step if self.ledger is not None else None,
+            check_errors=self.scout_check_errors)
 
     # ------------------------------------------------- what framework surfaces read
 
@@ -512,6 +572,8 @@ class ResiliencySession:
             ensure_private_dir(target_dir, "checkpoint copy directory")  # the run/rank layout, 0700
         copied = []
         for name in sorted(os.listdir(source_dir)):
+            if name.startswith(".") or name in (EVENT_FILE, OLD_EVENT_FILE):  # the log describes this node's run
+                continue
             source = os.path.join(source_dir, name)
             if name.startswith(".") or os.path.islink(source) or not os.path.isfile(source):
                 continue
@@ -595,6 +657,8 @@ class ResiliencySession:
         except Exception as exc:  # noqa: BLE001 - teardown must continue; raised at the end
             failure = exc
         finally:
+            self._disarm_guard()
+            self._close_report()
             self.adapter.remove()
             if self.scout is not None:
                 self.scout.close()
@@ -613,6 +677,17 @@ class ResiliencySession:
             self._agreement_group = None
         if failure is not None:
             raise failure
+
+    def _close_report(self) -> None:
+        """The `close` event and rank 0's summary line (INFO); never fails the teardown."""
+        try:
+            summary = self.summary()
+        except Exception as exc:  # noqa: BLE001 - a summary must never hide the teardown's own error
+            logger.debug("lm-resiliency: no close summary: %s", exc)
+            return
+        self.activity.closed(summary, run_name=self._run_name(), detection=self.scout is not None,
+                             rank=dist.get_rank() if dist.is_initialized() else 0,
+                             abnormal=self.manager is not None and self.manager.ending_abnormally)
 
 
 def _check_cadence(capture_interval: int, replay: ReplayHarnessConfig) -> None:

@@ -38,3 +38,13 @@ def test_nanogpt_ported_resumes_bitwise_after_a_worker_sigkill():
     # 8, or 4 when rank 1 died before its step-8 capture reached its node-local disk.
     assert re.search(r"^resumed at iter [48] from gemini$", done.stdout, re.MULTILINE), done.stdout[-3000:]
     assert "OK: the relaunched run finished bitwise equal to the uninterrupted run" in done.stdout
+
+
+@pytest.mark.slow  # three torchrun launches of 3 ranks (about 3 minutes on 2 busy cores)
+@pytest.mark.timeout(900)
+def test_the_ported_ddp_tutorial_resumes_mid_epoch_bitwise():
+    # docs/porting.md, "Epochs over a DataLoader": killed mid-epoch, relaunched, equal to an uninterrupted run.
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ddp_epochs.py"), "--self-test"],
+                          capture_output=True, text=True, timeout=880, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "starting at step 10 (epoch 2, batch 2)" in done.stdout

@@ -2,14 +2,16 @@
 
 Layers, highest first; a module may import its own layer or lower ones, never a higher one:
 
-    surface   lm_resiliency (root), api, integrations.*, experimental, callbacks.*, torchrun.*
+    surface   lm_resiliency (root), api, integrations.*, experimental, callbacks.*, torchrun.*, cli.*,
+              __main__
     adapters  adapters.*
-    session   session, attach, settings, adapter (the framework contract), cleanup, faults.*
+    session   session, attach, settings, adapter (the framework contract), cleanup, faults.*,
+              inventory, recovered_state, session_activity
     engine    gemini.*, scout.*, trust.*, manager_api.*  (gemini, scout and trust never import
               each other; trust reaches GEMINI's storage through its StatusStore protocol and
               SCOUT's results through its ReplayEvidence protocol)
     core      wire, codec, files, config, tensor_bytes, checksum, recovery, payload, _values, wrappers,
-              _torch_compat
+              _torch_compat, events, log_level
 
 Imports inside functions count as much as module-level ones, and no two modules may import each
 other, directly or through others (a cycle).
@@ -30,18 +32,20 @@ LAYERS = ("core", "engine", "session", "adapters", "surface")
 _PREFIXES = (
     ("lm_resiliency.callbacks", "surface"), ("lm_resiliency.integrations", "surface"),
     ("lm_resiliency.api", "surface"), ("lm_resiliency.experimental", "surface"),
-    ("lm_resiliency.torchrun", "surface"),
+    ("lm_resiliency.torchrun", "surface"), ("lm_resiliency.cli", "surface"), ("lm_resiliency.__main__", "surface"),
     ("lm_resiliency.adapters", "adapters"),
     ("lm_resiliency.session", "session"), ("lm_resiliency.attach", "session"),
     ("lm_resiliency.settings", "session"),
     ("lm_resiliency.adapter", "session"), ("lm_resiliency.cleanup", "session"),
-    ("lm_resiliency.faults", "session"),
+    ("lm_resiliency.faults", "session"), ("lm_resiliency.inventory", "session"),
+    ("lm_resiliency.recovered_state", "session"), ("lm_resiliency.session_activity", "session"),
     ("lm_resiliency.gemini", "engine"), ("lm_resiliency.scout", "engine"),
     ("lm_resiliency.trust", "engine"), ("lm_resiliency.manager_api", "engine"),
 )
 CORE = {"lm_resiliency.wire", "lm_resiliency.codec", "lm_resiliency.files", "lm_resiliency.config",
         "lm_resiliency.tensor_bytes", "lm_resiliency.checksum", "lm_resiliency.recovery", "lm_resiliency._values",
-        "lm_resiliency.wrappers", "lm_resiliency._torch_compat", "lm_resiliency.payload"}
+        "lm_resiliency.wrappers", "lm_resiliency._torch_compat", "lm_resiliency.payload", "lm_resiliency.events",
+        "lm_resiliency.log_level"}
 # Engine packages that never import one another (source, target). The manager API may use
 # trust's RecoveryDecision builder; the session layer joins the engines.
 APART = (("gemini", "scout"), ("scout", "gemini"), ("gemini", "trust"), ("scout", "trust"),

@@ -34,3 +34,7 @@ def test_wheel_contains_every_package_and_nothing_at_the_top(tmp_path):
     packaged = {os.path.dirname(n).replace("/", ".") for n in names if n.endswith("/__init__.py")}
     assert packaged == _source_packages()
     assert "lm_resiliency/py.typed" in names  # PEP 561: downstream type checkers read our annotations
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = zipfile.ZipFile(tmp_path / wheel).read(entry_points).decode()
+    assert "lm-resiliency = lm_resiliency.cli:main" in scripts  # the command line, beside `python -m lm_resiliency`
+    assert "lm-resiliency-discover-moe-regimes = lm_resiliency.scout.moe_regimes:main" in scripts

@@ -112,6 +112,7 @@ def main(argv=None) -> int:
 
     print(flush=True)
     print(table, flush=True)
+    print(reporting.LEGEND, flush=True)
     print(flush=True)
     print(metrics, flush=True)
     print(sdc_metrics, flush=True)

@@ -25,7 +25,6 @@ RESTART_END = {"sdc": "sdc_stop", "sdc_peer_group": "sdc_stop", "sdc_inconclusiv
 SDC_KINDS = ("sdc", "sdc_peer_group", "sdc_inconclusive")
 INCIDENT_COLORS = {"hidden-sdc": "#d62728", "slow-rank": "#ff7f0e", "bad-shard": "#9467bd",
                    "killed-rank": "#111111", "hung-rank": "#1f77b4"}
-GEN_COLORS = ["#2ca02c", "#17becf", "#bcbd22", "#8c564b", "#e377c2", "#7f7f7f", "#1f77b4", "#ff7f0e"]
 
 
 def localizations(job) -> Tuple[List[Any], List[dict]]:
@@ -161,6 +160,15 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
+LEGEND = """\
+columns: injected@ = the iteration the fault was first injected in; detected@ = the step it was localized at
+  ("at load": a shard GEMINI refused while recovering); truth = the rank(s) it was injected on; localized = the
+  rank(s) the detector blamed (source:kind); exact = the blamed ranks equal the truth; ttl = time to localize, from
+  the injection to that localization; work lost = steps the failed generation ran past the recovered step (trained
+  again). A generation is one launch of the ranks: the supervisor relaunches them after each failure, and each
+  generation resumes from the step it recovered."""
+
+
 def format_metrics(label: str, report) -> str:
     def f(v: Optional[float], digits: int = 2) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
@@ -212,147 +220,37 @@ def write_json(path: str, doc: Dict[str, Any]) -> None:
 
 
 def draw_timeline(path: str, baseline, managed, rows: List[Dict[str, Any]], records) -> Optional[str]:
-    """Two panels: loss per optimizer step, and optimizer step over wall time, one colour per
-    generation, with injections (dotted lines / triangles), localizations (crosses) and restarts
-    (arrows back to the recovered step; shaded downtime). Returns a note when it cannot draw."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "matplotlib is not installed (pip install 'lm-resiliency[demo]')"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The library's two-panel picture (lm_resiliency.cli.picture, also `lm-resiliency timeline`):
+    loss per optimizer step and optimizer step over wall time, one colour per generation, with
+    injections (dotted lines / triangles), localizations (crosses) and restarts (arrows back to the
+    recovered step; shaded downtime). Returns a note when it cannot draw."""
+    from lm_resiliency.cli.picture import Generation, Mark, Picture, draw
 
     curves = losses(managed)
     base = losses(baseline).get(0, {})
-    t0 = managed.started_at
-    gens = managed.generations
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(13, 9.5), gridspec_kw={"height_ratios": [1.15, 1]})
-    fig.suptitle(f"make demo: {scenario.WORLD} CPU ranks, GEMINI + SCOUT, fault campaign 'make-demo'", fontsize=13)
-
-    def gen_color(index: int) -> str:
-        return GEN_COLORS[index % len(GEN_COLORS)]
-
-    def loss_at(index: Optional[int], step: int) -> Optional[float]:
-        """Loss of generation `index` at `step` (or its last step before it); any generation as fallback."""
-        order = ([index] if index is not None else []) + [g.index for g in reversed(gens)]
-        for i in order:
-            pts = {s: v for s, v in curves.get(i, {}).items() if s <= step}
-            if pts:
-                return pts[max(pts)]["loss"]
-        return None
-
+    generations = tuple(Generation(
+        index=gen.index, launched_at=gen.launched_at, ended_at=gen.ended_at, resumed_step=gen.resumed_step,
+        end=gen.end.replace("_", " "), stopped_at=gen.detected_at,
+        points=tuple((step, v["t"], v["loss"]) for step, v in curves.get(gen.index, {}).items()))
+        for gen in managed.generations)
     injected: Dict[str, Any] = {}
     for rec in records:
         if rec.status.value == "injected":
             injected.setdefault(rec.occurrence_id, rec)
-    by_iteration: Dict[int, List[Any]] = {}
-    for rec in injected.values():
-        by_iteration.setdefault(rec.iteration, []).append(rec)
-
-    # ---- top: loss per optimizer step
-    if base:
-        top.plot(list(base), [v["loss"] for v in base.values()], color="#999999", lw=6, alpha=0.35,
-                 label="uninterrupted baseline", zorder=1)
-    for gen in gens:
-        pts = curves.get(gen.index, {})
-        if pts:
-            label = f"generation {gen.index}: steps {min(pts)}-{max(pts)} ({gen.end.replace('_', ' ')})"
-            top.plot(list(pts), [v["loss"] for v in pts.values()], "-o", ms=3.5, lw=1.6, color=gen_color(gen.index),
-                     zorder=3, label=label)
-    top.set_yscale("log")
-    all_losses = [v["loss"] for pts in curves.values() for v in pts.values()] + [v["loss"] for v in base.values()]
-    if all_losses:
-        top.set_ylim(min(all_losses) / 1.45, max(all_losses) * 1.25)   # room for the labels
-    ymax = top.get_ylim()[1]
-    for iteration, recs in sorted(by_iteration.items()):
-        for i, rec in enumerate(recs):
-            color = INCIDENT_COLORS.get(rec.incident_id, "#444444")
-            top.axvline(iteration + 0.08 * i, color=color, ls=":", lw=1.4, zorder=2)
-        top.annotate("\n".join(f"{r.incident_id} (rank {r.rank})" for r in recs), (iteration, ymax),
-                     xytext=(3, -3), textcoords="offset points", va="top", ha="left", fontsize=8,
-                     color=INCIDENT_COLORS.get(recs[0].incident_id, "#444444"))
+    marks = [Mark(kind="injected", label=rec.incident_id, detail=f"rank {rec.rank}", step=rec.iteration,
+                  t=rec.wall_time, color=INCIDENT_COLORS.get(rec.incident_id, "#444444"))
+             for rec in injected.values()]
     for row in rows:
         if row["detected_by"] is None:
             continue
-        color = INCIDENT_COLORS.get(row["incident"], "#333333")
-        if row["detected_iteration"] is not None:
-            x = row["detected_iteration"]
-            y = loss_at(row["detected_generation"], x)
-        else:   # found while loading: at the recovered step
-            x = row["recovery_step"]
-            y = loss_at(None, x)
-        if x is not None and y is not None:
-            top.plot([x], [y], "X", ms=12, color=color, markeredgecolor="white", zorder=6)
-    for gen in gens[1:]:
-        prev = gens[gen.index - 1]
-        prev_pts = curves.get(prev.index, {})
-        if not prev_pts or gen.resumed_step is None:
-            continue
-        start = (prev.last_step, prev_pts[max(prev_pts)]["loss"])
-        end = (gen.resumed_step, loss_at(prev.index, gen.resumed_step) or start[1])
-        top.annotate("", xy=end, xytext=start, zorder=4,
-                     arrowprops=dict(arrowstyle="-|>", color="#333333", lw=1.2, connectionstyle="arc3,rad=0.5"))
-        top.annotate(f"restart -> {gen.resumed_step}", end, xytext=(-8, -22), textcoords="offset points",
-                     fontsize=8, color="#333333", ha="center",
-                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
-    top.set_xlabel("optimizer step (training iteration)")
-    top.set_ylabel("training loss (mean over ranks, log)")
-    top.grid(alpha=0.25)
-    top.set_xlim(0, managed.steps + 1)
-    top.plot([], [], ":", color="#555555", label="fault injected (dotted line)")
-    top.plot([], [], "X", color="#555555", ms=9, label="localized (SCOUT / supervisor / GEMINI)")
-    top.legend(loc="lower left", fontsize=8, ncol=1, framealpha=0.92)
-    top.set_title("loss per step: every generation resumes from its recovered step and rejoins the baseline",
-                  fontsize=10)
-
-    # ---- bottom: progress over wall time
-    first_managed = curves.get(0, {}).get(1)
-    if base and first_managed is not None:
-        shift = first_managed["t"] - base[min(base)]["t"]   # the baseline ran earlier: align step 1
-        bottom.plot([v["t"] + shift - t0 for v in base.values()], list(base), color="#999999", lw=5, alpha=0.35,
-                    label="uninterrupted baseline (aligned at step 1)")
-    for gen in gens:
-        pts = curves.get(gen.index, {})
-        color = gen_color(gen.index)
-        bottom.axvline(gen.launched_at - t0, color=color, ls="--", lw=1, alpha=0.8)
-        bottom.annotate(f"gen {gen.index} launched", (gen.launched_at - t0, 0.5), xytext=(3, 0),
-                        textcoords="offset points", fontsize=7, color=color, rotation=90, va="bottom")
-        if pts:
-            bottom.plot([v["t"] - t0 for v in pts.values()], list(pts), "-o", ms=2.5, color=color,
-                        label=f"generation {gen.index}")
-        following = gens[gen.index + 1] if gen.index + 1 < len(gens) else None
-        first_t = min((v["t"] for v in curves.get(following.index, {}).values()), default=None) if following else None
-        if first_t is not None and gen.ended_at is not None:
-            began = gen.detected_at if gen.detected_at is not None else gen.ended_at
-            bottom.axvspan(began - t0, first_t - t0, color="#d62728", alpha=0.07)
-    for iteration, recs in sorted(by_iteration.items()):
-        for rec in recs:
-            color = INCIDENT_COLORS.get(rec.incident_id, "#444444")
-            bottom.plot([rec.wall_time - t0], [rec.iteration], "v", ms=10, color=color, markeredgecolor="white",
-                        zorder=5)
-        bottom.annotate(" + ".join(r.incident_id for r in recs), (recs[0].wall_time - t0, iteration), xytext=(-6, 6),
-                        textcoords="offset points", fontsize=8, ha="right",
-                        color=INCIDENT_COLORS.get(recs[0].incident_id, "#444444"))
-    for row in rows:
-        if row["detected_by"] is None:
-            continue
-        color = INCIDENT_COLORS.get(row["incident"], "#333333")
-        t = row.get("detected_at")
-        y = row["detected_iteration"] if row["detected_iteration"] is not None else row["recovery_step"]
-        if t is not None and y is not None:
-            bottom.plot([t - t0], [y], "X", ms=12, color=color, markeredgecolor="white", zorder=6)
-    bottom.plot([], [], "v", color="#555555", ms=8, label="fault injected")
-    bottom.plot([], [], "X", color="#555555", ms=9, label="localized")
-    bottom.fill_between([], [], color="#d62728", alpha=0.12, label="detection -> relaunch -> first new step")
-    bottom.set_xlabel("wall time since the managed run started (s)")
-    bottom.set_ylabel("optimizer step")
-    bottom.set_ylim(0, managed.steps + 1)
-    bottom.grid(alpha=0.25)
-    bottom.legend(loc="upper left", fontsize=8, ncol=2, framealpha=0.92)
-    bottom.set_title("progress over wall time: detection latency, restart cost and re-done steps of each failure",
-                     fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+        found_at_load = row["detected_iteration"] is None  # a refused shard: placed at the recovered step
+        marks.append(Mark(kind="localized", label=row["incident"], t=row.get("detected_at"),
+                          step=row["recovery_step"] if found_at_load else row["detected_iteration"],
+                          generation=None if found_at_load else row["detected_generation"],
+                          color=INCIDENT_COLORS.get(row["incident"], "#333333")))
+    picture = Picture(
+        title=f"make demo: {scenario.WORLD} CPU ranks, GEMINI + SCOUT, fault campaign 'make-demo'",
+        started_at=managed.started_at, max_step=managed.steps, generations=generations, marks=tuple(marks),
+        baseline=tuple((step, v["t"], v["loss"]) for step, v in base.items()),
+        localized_legend="localized (SCOUT / supervisor / GEMINI)")
+    return draw(picture, path)

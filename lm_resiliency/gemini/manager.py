@@ -429,6 +429,10 @@ class InMemoryCheckpointManager:
             self._own.release(own)
             if peer is not None:
                 self._peer.release(peer)
+        if not refused:
+            (logger.info if self.rank == 0 else logger.debug)(
+                "GEMINI: rank %d flushed step %d%s to %s", self.rank, own.step,
+                " and its peer replica" if peer is not None else "", self.store.directory)
         if refused:
             raise IntegrityError("GEMINI flush refused to write " + ", ".join(
                 f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for slot in refused)
@@ -907,8 +911,8 @@ class InMemoryCheckpointManager:
         self._abandon(f"uncaught {exc_type.__name__}")
         try:
             step = self.flush_now()
-            logger.warning("GEMINI: uncaught %s: flushed step %d to %s", exc_type.__name__, step,
-                           self.store.directory)
+            logger.warning("GEMINI: rank %d is ending on an uncaught %s (below); %s", self.rank, exc_type.__name__,
+                           _kept_for_restart(step, self.store.directory))
         except Exception:  # the original exception must still be reported
             logger.exception("GEMINI: flush on uncaught exception failed")
         self._previous_excepthook(exc_type, exc, tb)
@@ -916,7 +920,8 @@ class InMemoryCheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         try:
             step = self.flush_now()
-            logger.warning("GEMINI: signal %d: flushed step %d to %s", signum, step, self.store.directory)
+            logger.warning("GEMINI: rank %d received signal %d; %s", self.rank, signum,
+                           _kept_for_restart(step, self.store.directory))
         except Exception:  # the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
@@ -929,6 +934,12 @@ class InMemoryCheckpointManager:
         elif previous == signal.SIG_DFL:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
+
+    @property
+    def ending_abnormally(self) -> bool:
+        """Whether this process is ending on a signal, an uncaught exception or a surface's
+        `keep_shared_on_close()` (its shared-memory slots are then kept for the restart)."""
+        return self._keep_shared
 
     def keep_shared_on_close(self) -> None:
         """This process is ending abnormally: `close()` keeps the shared-memory slots for a
@@ -1008,6 +1019,12 @@ class InMemoryCheckpointManager:
             self.close(keep_shared=True)
         except Exception:  # the exception leaving the with-block is the one to see
             logger.exception("GEMINI: close() while handling %s failed", exc_type.__name__)
+
+
+def _kept_for_restart(step: int, directory: str) -> str:
+    if step < 0:
+        return "no capture to keep for the restart yet"
+    return f"its newest capture, step {step}, is written to {directory} for the restart"
 
 
 def _timeline_of(extra: Optional[dict]) -> list:

@@ -44,6 +44,9 @@ class Pairing:
         return (owner + self.jump) % world_size
 
 
+_warned_one_node = False
+
+
 def resolve_jump(configured: int, world_size: int) -> int:
     """The replication distance. `-1` means one node width: the visible GPU count, or on CPU
     LOCAL_WORLD_SIZE. When the whole job fits on one node there is no other host, so the
@@ -62,9 +65,12 @@ def resolve_jump(configured: int, world_size: int) -> int:
         width = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if 1 <= width < world_size:
         return width
-    logger.warning("GEMINI: all %d ranks appear to share one node; replicating to rank + %d, which "
-                   "protects against a process crash but not against losing the node",
-                   world_size, world_size // 2)
+    global _warned_one_node
+    if not _warned_one_node and (not dist.is_initialized() or dist.get_rank() == 0):
+        _warned_one_node = True  # once per process, from rank 0: it is the same fact on every rank
+        logger.warning("GEMINI: all %d ranks appear to share one node; replicating to rank + %d, which "
+                       "protects against a process crash but not against losing the node",
+                       world_size, world_size // 2)
     return world_size // 2
 
 

@@ -510,7 +510,7 @@ class SharedSlotArena:
         def bad(reason: str) -> SegmentRejected:
             return SegmentRejected(f"{path}: {reason}")
 
-        doc = parse_record(data, SIDECAR_SCHEMA, path, error=SegmentRejected)
+        doc = parse_sidecar(data, path)
         if doc["run_id"] != self._run_id:
             raise bad(f"wrong run id (sidecar {doc['run_id']!r}, expected {self._run_id!r})")
         if doc["topology"] != self._topology:
@@ -522,18 +522,9 @@ class SharedSlotArena:
         expected_owner = self._rank if name.startswith("own") else self._peer_owner
         if doc["owner_rank"] != expected_owner:
             raise bad(f"wrong owner rank (sidecar {doc['owner_rank']!r}, expected {expected_owner})")
-        crc = doc["crc32"]
-        if self._verify and crc is None:
+        if self._verify and doc["crc32"] is None:
             raise bad("written without integrity checksum (verify_integrity=False); with "
                       "verify_integrity=True only checksummed slots are eligible")
-        try:
-            layout = Layout.from_json(doc["layout"])
-        except StateSchemaError as exc:
-            raise bad(f"bad layout: {exc}") from exc
-        try:
-            check_structure(doc["structure"], layout)
-        except StateSchemaError as exc:
-            raise bad(f"its structure does not match its layout of {len(layout.specs)} tensors: {exc}") from exc
         return doc
 
     def verify(self, name: str) -> Optional[str]:
@@ -815,6 +806,32 @@ class SharedSlotArena:
             pass
 
 
+def parse_sidecar(data: bytes, path: str) -> dict:
+    """A slot sidecar's document, schema-checked (SIDECAR_SCHEMA, its layout, the structure against
+    the layout) but not yet bound to a run, topology or rank: `SharedSlotArena` checks those;
+    `lm-resiliency inspect` reports them."""
+    doc = parse_record(data, SIDECAR_SCHEMA, path, error=SegmentRejected)
+    try:
+        layout = Layout.from_json(doc["layout"])
+    except StateSchemaError as exc:
+        raise SegmentRejected(f"{path}: bad layout: {exc}") from exc
+    try:
+        check_structure(doc["structure"], layout)
+    except StateSchemaError as exc:
+        raise SegmentRejected(f"{path}: its structure does not match its layout of {len(layout.specs)} tensors: "
+                              f"{exc}") from exc
+    return doc
+
+
+def read_sidecar(dir_fd: int, name: str, path: str, uid: int) -> Optional[dict]:
+    """The sidecar `name` of the rank directory open as `dir_fd`, schema-checked (`parse_sidecar`),
+    or None when there is none; SegmentRejected for one that must not be used."""
+    shown = os.path.join(path, name)
+    data = read_file_bytes(name, "slot sidecar", max_bytes=SIDECAR_SCHEMA.max_bytes, trust=PRIVATE, dir_fd=dir_fd,
+                           shown=shown, uid=uid, error=SegmentRejected)
+    return None if data is None else parse_sidecar(data, shown)
+
+
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
     """The owner record of the rank directory open as `dir_fd`, or None if missing or invalid."""
     where = os.path.join(path, OWNER_FILE)
@@ -945,5 +962,6 @@ def open_arena(root: Optional[str], run_id: str, topology: str, rank: int, *, se
 __all__ = [
     "AdoptedSlot", "HostMemoryReport", "MAX_SLOTS", "NAMESPACE_RE", "RankDirVerdict", "SLOT_NAMES", "SegmentRejected",
     "SharedMemoryUnavailable", "SharedSlotArena", "default_shared_memory_dir", "judge_rank_dirs", "last_written",
-    "open_arena", "read_owner", "remove_dead_temp_dirs", "remove_tree", "shared_namespace", "shared_namespace_of",
+    "open_arena", "parse_sidecar", "read_owner", "read_sidecar",
+    "remove_dead_temp_dirs", "remove_tree", "shared_namespace", "shared_namespace_of",
 ]

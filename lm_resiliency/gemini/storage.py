@@ -325,6 +325,10 @@ class NodeLocalStore:
         self._uid = os.geteuid()
         namespace_dir = os.path.join(self._root, run_namespace(run_id, topology))
         self._dir = os.path.join(namespace_dir, f"rank-{rank:05d}")
+        if os.path.lexists(self._root) and not os.path.isdir(self._root):
+            raise NotADirectoryError(errno.ENOTDIR, "InMemoryCkptConfig.disk_folder must be a directory (GEMINI "
+                                     "keeps one folder per run in it), but this path is a file; point disk_folder "
+                                     "at a directory on the node-local disk", self._root)
         ensure_private_dir(namespace_dir, "GEMINI node-local directory", error=NodeLocalDirRejected)
         ensure_private_dir(self._dir, "GEMINI node-local directory", error=NodeLocalDirRejected)
         # Flushes killed mid-write leave temp files; their step may never be written again (the
@@ -528,15 +532,7 @@ class NodeLocalStore:
                           self._dir) from exc
 
     def _parse_name(self, name: str) -> Optional[ShardKey]:
-        match = _OWN_RE.fullmatch(name)
-        if match:
-            key = ShardKey("own", self._rank, int(match.group(1)))
-        else:
-            match = _PEER_RE.fullmatch(name)
-            if not match:
-                return None
-            key = ShardKey("peer", int(match.group(1)), int(match.group(2)))
-        return key if key.file_name == name else None  # canonical spelling only
+        return shard_key_of(name, self._rank)
 
     @staticmethod
     def _checked_payload(payload: Any, layout: Layout) -> torch.Tensor:
@@ -713,7 +709,29 @@ class NodeLocalStore:
         return doc["status"]
 
 
+def shard_key_of(name: str, rank: int) -> Optional[ShardKey]:
+    """The key of a published shard file name in rank `rank`'s directory, or None (not a shard)."""
+    match = _OWN_RE.fullmatch(name)
+    if match:
+        key = ShardKey("own", rank, int(match.group(1)))
+    else:
+        match = _PEER_RE.fullmatch(name)
+        if not match:
+            return None
+        key = ShardKey("peer", int(match.group(1)), int(match.group(2)))
+    return key if key.file_name == name else None  # canonical spelling only
+
+
+def read_status_document(path: str) -> Optional[dict]:
+    """A rank's status sidecar as written ({format_version, run_id, topology, rank, status}),
+    schema-checked (STATUS_SCHEMA) but not bound to a run or rank (what `lm-resiliency inspect`
+    reports); None when there is none. StatusRejected for a file that must not be trusted."""
+    data = read_file_bytes(path, "status sidecar", max_bytes=STATUS_SCHEMA.max_bytes, trust=PRIVATE,
+                           error=StatusRejected)
+    return None if data is None else parse_record(data, STATUS_SCHEMA, path, error=StatusRejected)
+
+
 __all__ = [
     "FORMAT_VERSION", "NodeLocalDirRejected", "NodeLocalStore", "Shard", "ShardKey", "ShardRejected", "StatusRejected",
-    "attachment", "run_namespace", "temp_scope",
+    "attachment", "read_status_document", "run_namespace", "shard_key_of", "temp_scope",
 ]

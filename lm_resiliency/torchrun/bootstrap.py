@@ -27,13 +27,14 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lm_resiliency.recovery import RecoveryMode
+from lm_resiliency.recovered_state import EarlyLoads, watch_environment_reads
 from lm_resiliency.torchrun.context import POLICY_ENV
 from lm_resiliency.torchrun.imports import HIGHER_LEVEL, watch_frameworks, when_imported
 from lm_resiliency.torchrun.policy import WorkerPolicy
 from lm_resiliency.torchrun.retirement import FaultWatch
 from lm_resiliency.torchrun.worker_records import WorkerRecord, write_worker_record
-from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, TorchrunWorkerAdapterError,
-                                           TorchrunWorkerContext, load_worker_context)
+from lm_resiliency.torchrun.worker import (BOOTSTRAP_ENV, CHECKPOINT_STEP_ENV, CONTEXT_READERS,
+                                           TorchrunWorkerAdapterError, TorchrunWorkerContext, load_worker_context)
 from lm_resiliency.torchrun.workers import (DeepSpeedWorkerAdapter, MegatronWorkerAdapter, NativePyTorchAdapter,
                                             TorchTitanWorkerAdapter)
 from lm_resiliency.torchrun.workers.base import PREFIX, BuiltInWorkerAdapter, attaching, gather, load_policy
@@ -61,6 +62,7 @@ class WorkerBootstrap:
         self._custom: Any = None
         self._directory = os.path.dirname(context.context_path)
         self._faults = FaultWatch(context.binding, self._directory, context.local_rank, context.local_world_size)
+        self._early: Optional[EarlyLoads] = None
 
     @property
     def session(self) -> Any:
@@ -71,6 +73,8 @@ class WorkerBootstrap:
 
     def install(self) -> None:
         when_imported(_DIST_MODULE, self._patch_dist)
+        if self.context.checkpoint_source == "gemini":
+            self._watch_early_loads()
         if self.policy.adapter is not None:
             self._install_custom(self.policy.adapter)
         else:
@@ -93,6 +97,16 @@ class WorkerBootstrap:
         adapter.on_step, adapter.fault_callback = self._record, self._faults.on_replay_result
         adapter.oob_fault_callback = self._on_oob_report
         adapter.on_recovery_refused = self._record_refusal
+        adapter.early_loads = self._early
+
+    def _watch_early_loads(self) -> None:
+        """This generation recovers GEMINI state: note the script's own loads before the attach,
+        and whether it reads the step it must resume from (lm_resiliency.recovered_state)."""
+        early = self._early = EarlyLoads(self.context.checkpoint_step, attaching)
+        when_imported("torch.nn.modules.module", lambda module: early.watch_module_class(module.Module))
+        when_imported("torch.optim.optimizer", lambda module: early.watch_optimizer_class(module.Optimizer))
+        watch_environment_reads(CHECKPOINT_STEP_ENV, early.note_step_read)
+        CONTEXT_READERS.append(early.note_step_read)
 
     def _on_oob_report(self, report: Any) -> None:
         """On the monitor thread: a hang SCOUT localized ends this process (retirement.py)."""
@@ -256,6 +270,8 @@ def start(environ: Optional[Dict[str, str]] = None) -> Optional[WorkerBootstrap]
         context = load_worker_context(env)
         policy = load_policy(context, env)
         env[CHECKPOINT_STEP_ENV] = str(context.checkpoint_step)
+        if env.get("RANK") == "0":
+            _say_where_the_loop_starts(context)
         bootstrap = WorkerBootstrap(context, policy)
         bootstrap.install()
     except Exception as exc:  # noqa: BLE001 - any bootstrap failure ends the worker before user code
@@ -263,3 +279,16 @@ def start(environ: Optional[Dict[str, str]] = None) -> Optional[WorkerBootstrap]
         raise SystemExit(2) from None
     _BOOTSTRAP = bootstrap
     return bootstrap
+
+
+def _say_where_the_loop_starts(context: TorchrunWorkerContext) -> None:
+    """Rank 0, at every restart (and at a first generation that resumes): the step the loop must
+    start from, in a line that shows with default logging."""
+    if context.generation == 0 and context.checkpoint_source != "gemini":
+        return
+    where = (f"resumes run {context.run_id!r} at GEMINI step {context.checkpoint_step}"
+             if context.checkpoint_source == "gemini" else f"of run {context.run_id!r} starts fresh at step 0")
+    logging.getLogger(__name__).warning(
+        "lm-resiliency torchrun worker: generation %d (%s) %s: the training loop must start at step %d, the value "
+        "of %s (docs/torchrun.md, 'The one loop edit')", context.generation, context.decision, where,
+        context.checkpoint_step, CHECKPOINT_STEP_ENV)

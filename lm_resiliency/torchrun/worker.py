@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Callable, List, Mapping, Optional, Protocol
 
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.binding import RoundBinding
@@ -81,7 +81,14 @@ def load_worker_context(environ: Optional[Mapping[str, str]] = None) -> Torchrun
                                  context_path=path)
 
 
+# Called when user code asks for its context: the bootstrap's guard then knows the script reads
+# the step it resumes from (lm_resiliency.recovered_state.EarlyLoads).
+CONTEXT_READERS: List[Callable[[], None]] = []
+
+
 def get_torchrun_worker_context() -> TorchrunWorkerContext:
     """This torchrun worker's context under `--rdzv-backend=lm_resiliency` (also for explicit
     `enable_resiliency()` integrations). Raises TorchrunWorkerAdapterError elsewhere."""
+    for note in CONTEXT_READERS:
+        note()
     return load_worker_context()

@@ -23,6 +23,8 @@ from lm_resiliency import (SCHEMA_VERSION, CallbackDurableCheckpointAdapter, Cal
                            ResiliencySession, RetriggerPolicy, SafetyClass, SCOUTFaultCallback, SCOUTFaultReport,
                            UnsupportedFaultError, enable_fault_injection, enable_resiliency, estimate_chunk_size,
                            replay_fault_reports)
+from lm_resiliency import (BackgroundError, CertificationError, ConfigError, IdentityMismatch, IntegrityError,
+                           NonFiniteState, RecoveredStateOverwrite, RecoveryUnavailable, StateEncodingError)
 from lm_resiliency.scout.reports import ReplayResult
 
 
@@ -86,3 +88,18 @@ def campaign_types(incident: FaultIncident, trigger: IncidentTrigger, lifetime: 
     stores: List[CampaignStateStore] = [memory, json_store]
     error: Exception = unsupported
     return executor, stores, error
+
+
+def recover_or_explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    try:
+        enable_resiliency(model, optimizer, interval=10)
+    except (ConfigError, RecoveryUnavailable, IdentityMismatch, CertificationError) as exc:
+        return str(exc)
+    try:
+        model.load_state_dict({})
+    except RecoveredStateOverwrite as exc:
+        return str(exc)
+    failures: Tuple[type, ...] = (BackgroundError, NonFiniteState, IntegrityError, StateEncodingError)
+    assert issubclass(NonFiniteState, BackgroundError) and issubclass(IntegrityError, BackgroundError)
+    assert issubclass(ConfigError, ValueError) and issubclass(RecoveryUnavailable, RuntimeError)
+    return ", ".join(cls.__name__ for cls in failures)

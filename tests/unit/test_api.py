@@ -36,7 +36,9 @@ def test_package_root_exports_exactly_the_stable_names_that_exist():
               "OrchestrationHooks", "replay_fault_reports", "RecoveryDecision", "RecoveryDecisionCallback",
               "RecoveryMode", "estimate_chunk_size",
               "ReplayWorkload", "GroupedExpertMaterializer", "LeadingDimensionMaterializer", "AllToAllReplayPolicy",
-              "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy"} | set(STABLE_EXPORTS)
+              "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy",
+              "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
+              "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError"} | set(STABLE_EXPORTS)
     assert sorted(lm_resiliency.__all__) == sorted(stable) and len(lm_resiliency.__all__) == len(stable)
     for name in lm_resiliency.__all__:
         assert getattr(lm_resiliency, name) is not None
@@ -259,3 +261,12 @@ def test_checkpoint_io_marks_framework_checkpoints_with_scout_on(tmp_path):
         with session.checkpoint_io("delete"):
             pass
     session.close()
+
+
+def test_a_file_given_as_disk_folder_is_named_as_such(tmp_path):
+    (tmp_path / "gemini").write_text("not a folder")
+    model, optimizer = _objects()
+    with pytest.raises(NotADirectoryError) as refused:
+        enable_resiliency(model, optimizer, checkpoint=_config(tmp_path / "gemini"), enable_detection=False)
+    assert "InMemoryCkptConfig.disk_folder must be a directory" in str(refused.value)
+    assert str(tmp_path / "gemini") in str(refused.value)

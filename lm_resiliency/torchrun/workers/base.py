@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 
+from lm_resiliency.recovered_state import EarlyLoads
 from lm_resiliency.torchrun.context import POLICY_DIGEST_ENV, POLICY_ENV
 from lm_resiliency.torchrun.imports import HIGHER_LEVEL
 from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
@@ -82,6 +83,7 @@ class BuiltInWorkerAdapter:
         self.oob_fault_callback: Optional[Callable[[Any], None]] = None  # the bootstrap's hang watch
         # The bootstrap's record of a selection this generation could not start from.
         self.on_recovery_refused: Optional[Callable[[Any, Optional[int], Optional[int]], None]] = None
+        self.early_loads: Optional[EarlyLoads] = None  # the bootstrap's note of the script's own loads
         self.active = False
         self.started = False  # an attach began (it may have failed): never attach twice
 
@@ -119,6 +121,12 @@ class BuiltInWorkerAdapter:
         global _attaching
         context = self.context
         selected = context.checkpoint_step if context.checkpoint_source == "gemini" else None
+        if self.early_loads is not None:
+            # Before anything is recovered: the script's own resume would run on top of GEMINI's step.
+            refusal = self.early_loads.refusal(gather(self.early_loads.problem(adapter.overwrite_targets())),
+                                               context.run_id)
+            if refusal is not None:
+                raise TorchrunWorkerAdapterError(f"{PREFIX}not attaching: {refusal}")
         _attaching += 1
         try:
             self.session = attach(adapter, options, recover=lambda session: self._recover(session, selected))
