@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from lm_resiliency._values import is_int
-from lm_resiliency.files import CLOEXEC, NOFOLLOW, loads_strict_json, read_owned
+from lm_resiliency.files import (CLOEXEC, NOFOLLOW, PRIVATE, RecordRejected, RecordSchema, integer, number,
+                                 nullable, parse_record, read_file_bytes, text)
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,15 @@ SCHEMA_VERSION = 1
 MAX_FILE_BYTES = 2 * 1024 * 1024
 MAX_LINE_BYTES = 64 * 1024
 KINDS = ("start", "recovered", "fresh", "capture", "vetoed", "report", "close")
-_COMMON = ("v", "t", "event", "run_id", "rank", "world_size")
+# One line: the common keys are declared; each event adds its own (open keys), `step` when it has one.
+EVENT_SCHEMA = RecordSchema(what="event log line", identity=("v", SCHEMA_VERSION), open_keys=True,
+                            max_bytes=MAX_LINE_BYTES, fields={
+                                "t": number(0.0), "event": text(choices=KINDS), "run_id": text(nonempty=False),
+                                "rank": integer(0), "world_size": integer(1),
+                                "step": nullable(integer(0, required=False))})
 
 
-class EventLogRejected(Exception):
+class EventLogRejected(RecordRejected):
     """An event log file exists but must not be read (a link, another user's, not a regular file)."""
 
 
@@ -116,7 +121,8 @@ def read_events(directory: str) -> EventsRead:
     for name in (OLD_EVENT_FILE, EVENT_FILE):
         path = os.path.join(directory, name)
         # A file grows past MAX_FILE_BYTES by at most one line before it is rotated.
-        data = read_owned(path, "event log", EventLogRejected, MAX_FILE_BYTES + MAX_LINE_BYTES)
+        data = read_file_bytes(path, "event log", max_bytes=MAX_FILE_BYTES + MAX_LINE_BYTES, trust=PRIVATE,
+                               error=EventLogRejected)
         if data is None:
             continue
         files.append(path)
@@ -133,17 +139,7 @@ def read_events(directory: str) -> EventsRead:
 
 
 def _parse_line(raw: bytes) -> Optional[Dict[str, Any]]:
-    if len(raw) > MAX_LINE_BYTES:
-        return None
     try:
-        doc = loads_strict_json(raw.decode("utf-8"), max_depth=16)
-    except (UnicodeDecodeError, ValueError):
+        return parse_record(raw, EVENT_SCHEMA, "event log line")
+    except RecordRejected:
         return None
-    if not isinstance(doc, dict) or any(key not in doc for key in _COMMON):
-        return None
-    valid = (doc["v"] == SCHEMA_VERSION and is_int(doc["v"]) and doc["event"] in KINDS
-             and isinstance(doc["t"], (int, float)) and not isinstance(doc["t"], bool)
-             and isinstance(doc["run_id"], str) and is_int(doc["rank"]) and doc["rank"] >= 0
-             and is_int(doc["world_size"]) and doc["world_size"] >= 1
-             and (doc.get("step") is None or (is_int(doc["step"]) and doc["step"] >= 0)))
-    return doc if valid else None

@@ -25,6 +25,8 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
     ("lm_resiliency.gemini.shm", "os.rename"): "renames a whole rank directory (publishing a new one with its "
                                                "owner record, retiring one before removal); its files go "
                                                "through files.atomic_write",
+    ("lm_resiliency.events", "os.replace"): "rotates the append-only event log (a complete file renamed aside, "
+                                            "not a record being published)",
     ("lm_resiliency.faults.checkpoint_faults", "open"): "a fault executor reads a shard's zip header to corrupt "
                                                          "that shard on purpose",
     ("lm_resiliency.faults.local_executor", "open"): "a fault executor fills a file in its own sandbox on purpose "

@@ -16,9 +16,10 @@ drawing when it is missing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
+
+from lm_resiliency.files import make_parents
 
 GEN_COLORS = ("#2ca02c", "#17becf", "#bcbd22", "#8c564b", "#e377c2", "#7f7f7f", "#1f77b4", "#ff7f0e")
 MISSING_MATPLOTLIB = ("matplotlib is not installed, so no picture is drawn: pip install \"lm-resiliency[demo]\" "
@@ -88,7 +89,7 @@ def draw(picture: Picture, path: str) -> Optional[str]:
         _lanes_panel(top, picture)
     _progress_panel(bottom, picture)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_parents(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
