@@ -38,10 +38,6 @@ class Pairing:
     def for_rank(rank: int, world_size: int, jump: int) -> "Pairing":
         return Pairing(jump, (rank + jump) % world_size, (rank - jump) % world_size)
 
-    def holder_of(self, owner: int, world_size: int) -> int:
-        """The rank that holds `owner`'s replica."""
-        return (owner + self.jump) % world_size
-
 
 def resolve_jump(configured: int, world_size: int) -> int:
     """The replication distance. `-1` means one node width: the visible GPU count, or on CPU

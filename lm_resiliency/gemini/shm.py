@@ -55,7 +55,9 @@ page-locking) is security-critical and must be reviewed as one unit.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -68,7 +70,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -90,6 +92,7 @@ _SIDECAR_KEYS = frozenset({"version", "run_id", "topology", "holder_rank", "slot
                            "layout", "structure", "extra", "crc32", "segment"})
 _OWNER_KEYS = frozenset({"version", "scope", "pid", "start_time"})
 _MAX_SIDECAR_BYTES = 512 * 1024 * 1024
+_TAKEOVER_LOCK_S = 5.0
 NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
 _RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
@@ -741,7 +744,8 @@ class SharedSlotArena:
             fd = self._private_subdir(ns_fd, self._rank_name, self._dir)
             try:
                 if exists:
-                    self._take_over(fd)
+                    with _exclusive(fd, self._dir):
+                        self._take_over(fd)
                 _held.add(self._dir)
             except BaseException:
                 os.close(fd)
@@ -893,6 +897,26 @@ class SharedSlotArena:
             os.unlink(name, dir_fd=self._fd)
         except FileNotFoundError:
             pass
+
+
+@contextlib.contextmanager
+def _exclusive(dir_fd: int, path: str) -> Iterator[None]:
+    """Hold an exclusive lock on a rank directory while its owner record is checked and replaced:
+    two processes of a host that both find its owner dead (a successor of that rank, another
+    rank claiming what a moved rank left) never both take it over."""
+    deadline = time.monotonic() + _TAKEOVER_LOCK_S
+    while True:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SharedMemoryUnavailable(errno.EBUSY, f"{path} is being taken over by another process") from None
+            time.sleep(0.01)
+    try:
+        yield
+    finally:
+        fcntl.flock(dir_fd, fcntl.LOCK_UN)
 
 
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:
