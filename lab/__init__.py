@@ -18,7 +18,7 @@ in the wheel: it is test and benchmark infrastructure, importable from the repos
         agent = h1.spawn(["python", "-m", "torch.distributed.run", ...],
                          env={..., "GLOO_SOCKET_IFNAME": "eth0"}, cwd=repo, log="/tmp/h1.log")
         h1.workers()                                        # {global rank: HostProcess} of torchrun workers
-        h1.stop(h1.workers()[0].pid)                        # SIGSTOP (a hang); resume(pid), kill(pid)
+        h1.stop(h1.workers()[0].pid)                        # SIGSTOP (a hang); resume, kill, terminate
         lab.partition("h2")                                 # h2's link down; partition("h2", "h3"): an island
         lab.heal()                                          # every link back
         lab["h3"].crash(wipe_disk=False)                    # all processes SIGKILLed, /dev/shm gone

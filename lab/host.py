@@ -285,6 +285,10 @@ class Host:
         """SIGKILL one process of the host."""
         self._signal(pid, signal.SIGKILL)
 
+    def terminate(self, pid: int) -> None:
+        """SIGTERM one process of the host (an operator stopping a job)."""
+        self._signal(pid, signal.SIGTERM)
+
     def _signal(self, pid: int, signum: int) -> None:
         if pid not in self._members(("pid",)):
             raise ValueError(f"pid {pid} is not a process of host {self.name}")

@@ -25,3 +25,17 @@ def make_lab() -> Callable[..., Lab]:
     yield make
     for lab in made:
         lab.teardown()
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory) -> dict:
+    """The final state of the uninterrupted torchrun run on hosts h1, h2, h3 (2 workers each) that
+    the lab's recovery tests compare with bitwise (tests/lab/torchrun_hosts.py)."""
+    from tests.lab import torchrun_hosts
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with Lab(["h1", "h2", "h3"]) as lab:
+        return torchrun_hosts.uninterrupted(lab, str(tmp_path_factory.mktemp("baseline")), ["h1", "h2", "h3"],
+                                            store_host="h3")
