@@ -67,14 +67,18 @@ def test_a_standby_that_sorts_into_another_slot_moves_the_survivors_and_their_st
     assert not T.different(resumed, baseline), "not bitwise equal after the replacement"
 
 
+@pytest.mark.slow  # about 2 minutes on 2 busy cores
 @pytest.mark.timeout(1500)
 def test_two_standbys_for_one_lost_host_one_joins_and_the_other_stays_parked(make_lab, tmp_path, baseline):
     lab, run = _crash_after_step_7(make_lab, tmp_path, "h2", ["h0", "h4"], "two-standbys")
-    codes = run.wait(900)
-    assert codes["h2"] == -9 and all(codes[h] == 0 for h in ("h0", "h1", "h3", "h4")), (codes, run.logs())
+    codes = run.wait(900)  # every agent ends by itself, the parked standby too
     joined = [h for h in ("h0", "h4") if re.search(r"generation \d+, node slot \d of 3: replacement", run.log(h))]
     assert len(joined) == 1, run.logs()
     (parked,) = {"h0", "h4"} - set(joined)
+    assert codes["h2"] == -9 and all(codes[h] == 0 for h in ("h1", "h3", *joined)), (codes, run.logs())
+    # The parked standby never joined a generation. Its exit status is not checked: it learns that
+    # the run ended when the store (served by h3's agent) goes away, and torch 2.13's launcher
+    # reports that as a failure (docs/torchrun.md, "Across hosts").
     assert "parks as a standby" in run.log(parked) and "generation" not in run.log(parked), run.logs()
     resumed = run.final()
     assert resumed["start"] == 6

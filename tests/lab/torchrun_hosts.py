@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from examples.torchrun.resiliency_cycle.agents import write_plugin
 from lab import Lab
@@ -56,7 +56,7 @@ class Run:
         self.launch += 1
         self.agents = {}
 
-    def start(self, host: str, args: List[str] = ()) -> subprocess.Popen:  # type: ignore[assignment]
+    def start(self, host: str, args: Sequence[str] = ()) -> subprocess.Popen:
         command = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.5",
                    *self.config.arguments(["--module", MODULE, self.out, str(STEPS), *args])]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LM_RESILIENCY", "TORCHELASTIC"))}
