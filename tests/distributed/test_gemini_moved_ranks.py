@@ -105,3 +105,23 @@ def test_ranks_moved_after_a_power_loss_recover_from_other_ranks_directories_on_
         assert found == step == 6 and claimed == []
         assert_same(state, expected)
         assert job == {owner: (owner, "disk") for owner in range(4)}, job  # every rank from its own host's disk
+
+
+def _recover_rank3_in_heap(rank, world, tmp):
+    return _recover(rank, world, tmp, ["A"] * 4, None, {"host_memory": "heap"} if rank == 3 else None)
+
+
+def test_on_one_host_a_dead_ranks_directory_is_claimed_by_exactly_one_process(tmp_path):
+    tmp = str(tmp_path)
+    run_ranks(_train_then_sigkill, 4, tmp, ["A"] * 4, timeout=90, check=False)
+    # Rank 3 runs with heap slots now: its shared-memory directory has no owner, and ranks 0, 1, 2
+    # (one /dev/shm) all look at it at once.
+    outcomes = run_ranks(_recover_rank3_in_heap, 4, tmp, timeout=120)
+    claims = [claimed for _, claimed, _, _ in outcomes]
+    assert sorted(claims, key=len) == [[], [], [], [3]], claims
+    for rank, (found, _, _, state) in enumerate(outcomes):
+        step, expected = _expected(tmp, rank)
+        assert found == step == 6
+        assert_same(state, expected)
+    job = outcomes[0][2]  # rank 3's state comes from another process of the host, in memory
+    assert [job[r][0] for r in range(3)] == [0, 1, 2] and job[3][0] != 3 and job[3][1] != "disk", job
