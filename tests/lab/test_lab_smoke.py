@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from lab import leftovers
 
 ALL_REDUCE = """
@@ -167,3 +169,16 @@ def _in_netns_named(prefix, pid):
             return prefix.encode() in f.read()
     except OSError:
         return False
+
+
+def test_without_root_the_lab_refuses_to_start_and_says_why(monkeypatch):
+    from lab import Lab, LabUnavailable, support
+
+    monkeypatch.setattr(support.os, "geteuid", lambda: 1000)
+    support.unavailable_reason.cache_clear()
+    try:
+        assert support.unavailable_reason() == "the cluster lab needs root (network and mount namespaces)"
+        with pytest.raises(LabUnavailable, match="needs root"):
+            Lab(["h1"])
+    finally:
+        support.unavailable_reason.cache_clear()
