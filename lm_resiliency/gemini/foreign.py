@@ -14,7 +14,8 @@ rank* like any other copy (selection.py):
   processes never map one slot: a directory of a live rank, or one another process claimed
   first, is left alone. The slot pairs it fills are never written;
 - a node-local rank directory is opened as a `NodeLocalStore` of that rank, to list and read
-  its shards (reading is not exclusive).
+  its shards (reading is not exclusive), unless that rank's own directory is on the same disk now
+  (a disk folder several nodes share): that rank reports it itself.
 
 Claiming happens after every rank of the job opened its own shared-memory directory (the
 manager's barrier), so a rank's own slots always go to that rank's process when it runs here.
@@ -28,7 +29,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 
@@ -126,15 +127,23 @@ def claim_memory(root: Optional[str], run_id: str, topology: str, *, series: str
     return claimed
 
 
+def disk_identity(root: str, run_id: str, topology: str) -> str:
+    """Which disk this run's node-local directories are on (device and inode of its namespace
+    directory): ranks that report the same identity share the disk and read their own directories
+    themselves."""
+    st = os.stat(os.path.join(root, run_namespace(run_id, topology)))
+    return f"{host_key()}:{st.st_dev}:{st.st_ino}"
+
+
 def open_disks(root: str, run_id: str, topology: str, *, rank: int, world_size: int, verify_integrity: bool,
-               timeout_s: float) -> List[NodeLocalStore]:
-    """A store for every node-local directory of another rank of this run and topology on this
-    host's disk."""
+               timeout_s: float, sharing: Set[int]) -> List[NodeLocalStore]:
+    """A store for every node-local directory on this host's disk of another rank of this run
+    and topology, except the ranks in `sharing` (those whose own directory is on this disk now)."""
     namespace = os.path.join(root, run_namespace(run_id, topology))
     stores = []
     for match in _listed(namespace, _DISK_RANK_DIR_RE):
         other = int(match.group("rank"))
-        if other == rank or other >= world_size:
+        if other == rank or other >= world_size or other in sharing:
             continue
         try:
             stores.append(NodeLocalStore(root, run_id, topology, other, verify_integrity=verify_integrity,

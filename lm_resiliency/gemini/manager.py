@@ -35,7 +35,7 @@ from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_share
 from lm_resiliency.codec import Layout, decode_state, encode_state
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
-from lm_resiliency.gemini.foreign import ForeignMemory, claim_memory, host_key, open_disks
+from lm_resiliency.gemini.foreign import ForeignMemory, claim_memory, disk_identity, host_key, open_disks
 from lm_resiliency.gemini import timeline
 from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
 from lm_resiliency.gemini.integrity import (CRC_KEY, IntegrityError, NonFiniteState, capture_checksums,
@@ -536,8 +536,9 @@ class InMemoryCheckpointManager:
         claim what this host keeps in other ranks' directories (foreign.py)."""
         if self._foreign_open:
             return
-        if self._group is not None:
-            wire.all_gather_json(None, self._group)  # every rank adopted its own slots first
+        disk = disk_identity(self.config.disk_folder, self.run_id, self.topology)
+        # Collective: every rank adopted its own slots before any claims another's.
+        disks = wire.all_gather_json(disk, self._group) if self._group is not None else [disk]
         if self._arena is not None:
             self._foreign = claim_memory(
                 self.config.shared_memory_dir, self.run_id, self.topology, series=self.config.disk_folder,
@@ -546,7 +547,8 @@ class InMemoryCheckpointManager:
                 reap_other_runs_after_s=self.config.reap_other_runs_after_s, timeout_s=float(self.config.timeout_s))
         self._foreign_stores = open_disks(self.config.disk_folder, self.run_id, self.topology, rank=self.rank,
                                           world_size=self.world_size, verify_integrity=self.config.verify_integrity,
-                                          timeout_s=float(self.config.timeout_s))
+                                          timeout_s=float(self.config.timeout_s),
+                                          sharing={r for r, d in enumerate(disks) if d == disk})
         self._foreign_open = True
 
     def _select(self, step: Optional[int], allowed_steps: Optional[Iterable[int]]) -> Optional[int]:

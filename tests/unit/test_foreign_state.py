@@ -85,8 +85,11 @@ def test_other_ranks_node_local_directories_are_opened_for_reading(tmp_path):
         NodeLocalStore(root, RUN, TOPO, rank, verify_integrity=False)
     NodeLocalStore(root, RUN, TOPO, 2, verify_integrity=False).write_shard(ShardKey("peer", 0, 6), layout,
                                                                            enc.structure, payload)
-    stores = open_disks(root, RUN, TOPO, rank=0, world_size=4, verify_integrity=False, timeout_s=5.0)
+    stores = open_disks(root, RUN, TOPO, rank=0, world_size=4, verify_integrity=False, timeout_s=5.0, sharing={0})
     assert [s.rank for s in stores] == [2]  # not its own, not a rank outside the world
+    # Rank 2 runs with its own directory on this disk now: it reads it itself.
+    assert open_disks(root, RUN, TOPO, rank=0, world_size=4, verify_integrity=False, timeout_s=5.0,
+                      sharing={0, 2}) == []
     assert stores[0].list_shards() == [ShardKey("peer", 0, 6)]
     assert torch.equal(stores[0].read_shard(ShardKey("peer", 0, 6)).payload, payload)
 
