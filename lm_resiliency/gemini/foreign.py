@@ -43,7 +43,7 @@ _SHARED_RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _DISK_RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})")
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ForeignMemory:
     """A claimed shared-memory directory of rank `rank`: its arena and the slot pairs holding
     its adopted slots (`own`: rank `rank`'s state; `peer`: the replica it held)."""
@@ -121,7 +121,7 @@ def claim_memory(root: Optional[str], run_id: str, topology: str, *, series: str
             (own if slot.name.startswith("own") else peer).adopt(
                 slot.name, slot.buffer, slot.layout, slot.structure, slot.step, slot.owner_rank, slot.extra,
                 slot.crc32, slot.predecessor_pid)
-        claimed.append(ForeignMemory(other, arena, (own, peer)))
+        claimed.append(ForeignMemory(rank=other, arena=arena, pairs=(own, peer)))
         logger.info("GEMINI: rank %d claimed rank %d's shared-memory slots left on this host (%s)", rank, other,
                     ", ".join(f"{s.name}: rank {s.owner_rank} step {s.step}" for s in adopted))
     return claimed
