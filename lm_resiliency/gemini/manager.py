@@ -35,13 +35,15 @@ from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_share
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure, decode_state, encode_state
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
+from lm_resiliency.gemini.foreign import ForeignMemory, claim_memory, disk_identity, host_key, open_disks
 from lm_resiliency.gemini import timeline
 from lm_resiliency.gemini.identity import RunIdentity, resolve_identity, topology_fingerprint
 from lm_resiliency.gemini.integrity import (CRC_KEY, IntegrityError, NonFiniteState, capture_checksums,
                                             checksum_problem, leaf_paths, nonfinite_indices)
 from lm_resiliency.gemini.replication import (Pairing, PeerReplicator, agree_on_pairing, message_tag,
                                               resolve_jump)
-from lm_resiliency.gemini.selection import RecoveryPlan, availability_report, choose_plan, entries, has
+from lm_resiliency.gemini.selection import (RecoveryPlan, availability_report, choose_plan, entries, has,
+                                            missing_owners)
 from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_arena
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
@@ -87,11 +89,17 @@ class InMemoryCheckpointManager:
         self.protected_steps: Callable[[], Iterable[int]] = tuple
         self._previous_excepthook = sys.excepthook
         self._arena: Optional[SharedSlotArena] = None
+        # What this host keeps in other ranks' directories (foreign.py), claimed at the first
+        # find_latest(); `_used_foreign`: the arenas the agreed plan reads from.
+        self._foreign: List[ForeignMemory] = []
+        self._foreign_stores: List[NodeLocalStore] = []
+        self._foreign_open = False
+        self._used_foreign: set = set()
         self._heap_bytes: Dict[str, int] = {}
         self._verified: set = set()
         self._keep_shared = False  # set when this process ends abnormally (signal, uncaught exception)
         self.recovery_sources: Dict[str, str] = {}
-        # After find_latest(), on every rank: owner rank -> (rank holding its state, "memory" /
+        # After find_latest(), on every rank: owner rank -> (rank providing its state, "memory" /
         # "shared-memory" / "disk"), and every step any rank reported (why nothing was chosen).
         self.job_recovery_sources: Dict[int, Tuple[int, str]] = {}
         self.steps_seen: List[int] = []
@@ -178,6 +186,7 @@ class InMemoryCheckpointManager:
                                            self.config.replication_chunk_size, timeout,
                                            on_failure=self._close_links)
                             if self.pairing else None)
+        self._host = host_key()
         self._capture_done = threading.Event()
         self._capture_done.set()
         self._last_flushed_step = 0
@@ -527,9 +536,11 @@ class InMemoryCheckpointManager:
         try:
             allowed = None if allowed_steps is None else sorted(set(allowed_steps))
             self._agree_on_request(step, allowed)
+            self._open_foreign()
             return self._select(step, allowed)
         except BaseException:
             self._release_sources()  # a slot left pinned here would block a later capture
+            self._keep_shared = True  # a failed recovery never removes state the next attempt needs
             raise
 
     def _agree_on_request(self, step: Optional[int], allowed: Optional[List[int]]) -> None:
@@ -543,6 +554,26 @@ class InMemoryCheckpointManager:
             raise RecoveryUnavailable(f"GEMINI recovery: the ranks asked for different steps ({asked}); every "
                                       "rank must request the same step, so nothing is loaded")
 
+    def _open_foreign(self) -> None:
+        """Once per manager, after every rank opened its own shared-memory directory (collective):
+        claim what this host keeps in other ranks' directories (foreign.py)."""
+        if self._foreign_open:
+            return
+        disk = disk_identity(self.config.disk_folder, self.run_id, self.topology)
+        # Collective: every rank adopted its own slots before any claims another's.
+        disks = wire.all_gather_json(disk, self._group) if self._group is not None else [disk]
+        if self._arena is not None:
+            self._foreign = claim_memory(
+                self.config.shared_memory_dir, self.run_id, self.topology, series=self.config.disk_folder,
+                rank=self.rank, world_size=self.world_size, jump=self.pairing.jump if self.pairing else 0,
+                verify_integrity=self.config.verify_integrity, pin_memory=self.config.pin_memory,
+                reap_other_runs_after_s=self.config.reap_other_runs_after_s, timeout_s=float(self.config.timeout_s))
+        self._foreign_stores = open_disks(self.config.disk_folder, self.run_id, self.topology, rank=self.rank,
+                                          world_size=self.world_size, verify_integrity=self.config.verify_integrity,
+                                          timeout_s=float(self.config.timeout_s),
+                                          sharing={r for r, d in enumerate(disks) if d == disk})
+        self._foreign_open = True
+
     def _select(self, step: Optional[int], allowed_steps: Optional[Iterable[int]]) -> Optional[int]:
         report = self._local_availability()
         self.job_recovery_sources = {}
@@ -552,15 +583,10 @@ class InMemoryCheckpointManager:
             self.steps_seen = sorted({step for r in reports for step, _ in entries(r["own"])}
                                      | {step for r in reports for held in r["held"].values()
                                         for step, _ in entries(held)})
-            holder_of = (lambda owner: self.pairing.holder_of(owner, self.world_size)) if self.pairing else None
-            plan = choose_plan(reports, holder_of, exact_step=step, allowed_steps=allowed_steps)
-            if plan is not None:
-                plan = self._prefer_memory(plan, reports)
+            plan = choose_plan(reports, exact_step=step, allowed_steps=allowed_steps)
             if plan is None:
                 if step is not None:
-                    raise RecoveryUnavailable(
-                        f"GEMINI step {step} was selected for recovery but is not loadable on every "
-                        "rank (missing, corrupt or from another run/topology); refusing to load anything")
+                    raise RecoveryUnavailable(_unavailable(step, reports))
                 return None
             failed, seen = self._validate(plan)
             verdicts = wire.all_gather_json({"failed": failed, "seen": seen, "sends": self._send_sizes(plan),
@@ -580,10 +606,10 @@ class InMemoryCheckpointManager:
                                 recovered[0], "itself" if holder == self.rank else f"rank {holder}")
                     return plan.step
                 logger.warning("GEMINI: step %d is not eligible: %s", plan.step, problem)
-                failed = [["own", self.rank, plan.step]] + [["held", int(o), plan.step] for o in report["held"]]
-            for kind, owner, bad_step in failed:
+                failed = [[owner, plan.step] for owner in [self.rank, *map(int, report["held"])]]
+            for owner, bad_step in failed:
                 for part in (report, report["memory"]):
-                    if kind == "own":
+                    if owner == self.rank:
                         part["own"] = [e for e in part["own"] if not has([e], bad_step, None)]
                     else:
                         held = part["held"].get(str(owner), [])
@@ -606,6 +632,13 @@ class InMemoryCheckpointManager:
         plan = self._plan
         if plan is None:
             return None
+        try:
+            return self._load(plan)
+        except BaseException:
+            self._keep_shared = True  # a failed recovery never removes state the next attempt needs
+            raise
+
+    def _load(self, plan: RecoveryPlan) -> Any:
         problem = None
         # A tag of its own per load: messages left by a failed earlier transfer never match.
         tag = message_tag(self._loads, recovery=True)
@@ -636,7 +669,23 @@ class InMemoryCheckpointManager:
                                       + "; nothing is loaded. Restart to select again.")
         state = decode_state(structure, tensors)
         self._continue_timeline(plan.step)
+        self._release_unused_foreign()
         return state
+
+    def _release_unused_foreign(self) -> None:
+        """After a recovery: other ranks' shared-memory directories it did not read from are
+        removed (their state is older or held elsewhere too); those it read from stay mapped
+        until close, in case this generation fails before its first capture."""
+        kept = []
+        for foreign in self._foreign:
+            if id(foreign.arena) in self._used_foreign:
+                kept.append(foreign)
+                continue
+            try:
+                foreign.close(keep=False)
+            except OSError as exc:
+                logger.warning("GEMINI: removing rank %d's unused shared-memory slots failed: %s", foreign.rank, exc)
+        self._foreign = kept
 
     def _continue_timeline(self, step: int) -> None:
         """Fork the timeline from the recovered state and drop what it abandons. Collective: no
@@ -646,16 +695,19 @@ class InMemoryCheckpointManager:
         self._timeline = self._timeline.fork(lineage, ancestry, step, timeline.draw_lineage(self._group))
         error = None
         try:
-            for pair in (self._own, self._peer):
-                for slot in pair.ready_slots() if pair is not None else ():
+            for pair, _ in self._memory_pairs():
+                for slot in pair.ready_slots():
                     if not self._on_timeline(slot):
-                        logger.info("GEMINI: rank %d drops abandoned %s slot %s (step %d, timeline %s)",
-                                    self.rank, pair.role, slot.name, slot.step, timeline.lineage_of(slot.extra))
+                        logger.info("GEMINI: rank %d drops abandoned %s slot %s of rank %d (step %d, timeline %s)",
+                                    self.rank, pair.role, slot.name, slot.owner_rank, slot.step,
+                                    timeline.lineage_of(slot.extra))
                         pair.invalidate(slot)
-            for key in self.store.list_shards():
-                if key.step > step:
-                    logger.info("GEMINI: rank %d removes abandoned shard %s", self.rank, key.file_name)
-                    self.store.remove_shard(key)
+            for store in self._stores():
+                for key in store.list_shards():
+                    if key.step > step:
+                        logger.info("GEMINI: rank %d removes abandoned shard %s in %s", self.rank, key.file_name,
+                                    store.directory)
+                        store.remove_shard(key)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
         failed = [(r, e) for r, e in enumerate(wire.all_gather_json(error, self._group)) if e]
@@ -665,81 +717,97 @@ class InMemoryCheckpointManager:
         logger.info("GEMINI: rank %d continues on timeline %s from (%s, step %d)", self.rank,
                     self._timeline.lineage, lineage, step)
 
-    def _prefer_memory(self, plan: RecoveryPlan, reports: list) -> RecoveryPlan:
-        """Within the chosen step, each rank's state comes from its own memory, else from its
-        peer's memory, else from its own node-local disk, else from the peer's disk. A pure
-        function of the gathered reports, so every rank derives the same plan."""
-        if self.pairing is None:
-            return plan
-        sources = dict(plan.sources)
-        for owner, source in plan.sources.items():
-            if source != owner or has(reports[owner]["memory"]["own"], plan.step, plan.lineage):
-                continue
-            holder = self.pairing.holder_of(owner, self.world_size)
-            if has(reports[holder]["memory"]["held"].get(str(owner), []), plan.step, plan.lineage):
-                sources[owner] = holder
-        return RecoveryPlan(plan.step, sources, plan.lineage)
+    def _memory_pairs(self) -> List[Tuple[SlotPair, Optional[SharedSlotArena]]]:
+        """Every slot pair this rank can read, with the shared-memory arena behind it: its own and
+        peer pairs, then those of other ranks' directories it claimed."""
+        pairs: List[Tuple[SlotPair, Optional[SharedSlotArena]]] = [(self._own, self._arena)]
+        if self._peer is not None:
+            pairs.append((self._peer, self._arena))
+        for foreign in self._foreign:
+            pairs.extend((pair, foreign.arena) for pair in foreign.pairs)
+        return pairs
+
+    def _stores(self) -> List[NodeLocalStore]:
+        """This rank's node-local store, then other ranks' directories on this host's disk."""
+        return [self.store, *self._foreign_stores]
 
     def _local_availability(self) -> dict:
-        """Memory slots as (step, lineage); node-local shards as steps (their lineage is only
-        known once read); every timeline this rank knows, so abandoned state is recognized."""
+        """By owner rank: memory slots as (step, lineage); node-local shards as steps (their lineage
+        is only known once read); every timeline this rank knows, so abandoned state is recognized;
+        this rank's host key."""
         timelines = {self._timeline.lineage: self._timeline.ancestry}
-        own, held = set(), {}
-        for pair in (self._own, self._peer):
-            for slot in pair.ready_slots() if pair is not None else ():
+        own: set = set()
+        held: Dict[int, set] = {}
+
+        def offer(owner: int, entry: Any) -> None:
+            (own if owner == self.rank else held.setdefault(owner, set())).add(entry)
+
+        for pair, _ in self._memory_pairs():
+            for slot in pair.ready_slots():
                 parsed = timeline.parse(slot.extra)
                 if parsed is not None:
                     timelines.setdefault(parsed[0], parsed[1])
-                entry = (slot.step, parsed[0] if parsed else None)
-                if pair is self._own:
-                    own.add(entry)
-                else:
-                    held.setdefault(slot.owner_rank, set()).add(entry)
-        memory = availability_report(own, held)  # this process's slots and adopted shared ones
-        for key in self.store.list_shards():
-            if key.kind == "own":
-                own.add(key.step)
-            else:
-                held.setdefault(key.owner_rank, set()).add(key.step)
+                offer(slot.owner_rank, (slot.step, parsed[0] if parsed else None))
+        memory = availability_report(own, held)  # slots of this process, adopted and claimed ones
+        for store in self._stores():
+            for key in store.list_shards():
+                offer(key.owner_rank, key.step)
         report = availability_report(own, held, timelines)
         report["memory"] = memory
+        report["host"] = self._host
         return report
 
     def _validate(self, plan: RecoveryPlan) -> tuple:
-        """Load-check everything this rank must provide for `plan`: identity, timeline and (with
-        verify_integrity) the capture checksum. Returns (failed items, [lineage, ancestry] of
-        each source provided)."""
+        """Load-check, for each owner rank this rank provides in `plan`, its copies in order (memory,
+        then node-local disk) until one passes: identity, timeline and (with verify_integrity) the
+        capture checksum. Returns (owner ranks of which no copy passed, as [owner, step]; [lineage,
+        ancestry] of each source provided)."""
         failed, seen = [], []
-        needs = []
-        if plan.sources[self.rank] == self.rank:
-            needs.append(("own", self.rank))
-        needs += [("held", owner) for holder, owner in plan.transfers() if holder == self.rank]
         self.recovery_sources = {}
-        for kind, owner in needs:
-            pair = self._own if kind == "own" else self._peer
-            slots = [s for s in pair.ready_slots() if s.step == plan.step and s.owner_rank == owner
-                     and (plan.lineage is None or timeline.lineage_of(s.extra) == plan.lineage)] \
-                if pair is not None else []
-            if slots and not self._slot_intact(pair, slots[0]):
-                slots = []  # corrupt slot: the node-local disk may still hold this step
-            if slots:
-                pair.acquire(slots[0])
-                self._sources[f"{kind}:{owner}"] = (pair, slots[0])
-                self.recovery_sources[f"{kind}:{owner}"] = (
-                    "memory" if slots[0].adopted_from is None else "shared-memory")
-                seen.append(_timeline_of(slots[0].extra))
+        self._used_foreign = set()
+        for owner in sorted(o for o, provider in plan.sources.items() if provider == self.rank):
+            name = f"own:{owner}" if owner == self.rank else f"held:{owner}"
+            found = self._memory_copy(owner, plan)
+            if found is not None:
+                pair, slot = found
+                pair.acquire(slot)
+                self._sources[name] = (pair, slot)
+                self.recovery_sources[name] = "memory" if slot.adopted_from is None else "shared-memory"
+                seen.append(_timeline_of(slot.extra))
                 continue
-            key = ShardKey("own" if kind == "own" else "peer", owner, plan.step)
-            try:
-                shard = self.store.read_shard(key)
-                self._check_shard(shard, plan)
-                self._sources[f"{kind}:{owner}"] = shard
-                self.recovery_sources[f"{kind}:{owner}"] = "disk"
+            shard = self._disk_copy(owner, plan)
+            if shard is not None:
+                self._sources[name] = shard
+                self.recovery_sources[name] = "disk"
                 seen.append(_timeline_of(shard.extra))
+                continue
+            failed.append([owner, plan.step])
+        return failed, seen
+
+    def _memory_copy(self, owner: int, plan: RecoveryPlan) -> Optional[Tuple[SlotPair, HostSlot]]:
+        for pair, arena in self._memory_pairs():
+            for slot in pair.ready_slots():
+                if (slot.step != plan.step or slot.owner_rank != owner
+                        or (plan.lineage is not None and timeline.lineage_of(slot.extra) != plan.lineage)):
+                    continue
+                if self._slot_intact(pair, slot, arena):  # corrupt: another copy or the disk may do
+                    if arena is not None and arena is not self._arena:
+                        self._used_foreign.add(id(arena))
+                    return pair, slot
+        return None
+
+    def _disk_copy(self, owner: int, plan: RecoveryPlan) -> Optional[Shard]:
+        for store in self._stores():
+            key = ShardKey("own" if owner == store.rank else "peer", owner, plan.step)
+            if key not in store.list_shards():
+                continue
+            try:
+                shard = store.read_shard(key)
+                self._check_shard(shard, plan)
+                return shard
             except ShardRejected as exc:
                 logger.warning("GEMINI: skipping step %d for rank %d: %s", plan.step, owner, exc)
-                failed.append([kind, owner, plan.step])
-        return failed, seen
+        return None
 
     def _check_shard(self, shard: Shard, plan: RecoveryPlan) -> None:
         lineage = timeline.lineage_of(shard.extra)
@@ -751,7 +819,7 @@ class InMemoryCheckpointManager:
             if problem is not None:
                 raise ShardRejected(f"shard {shard.key.file_name} of rank {shard.key.owner_rank}: {problem}")
 
-    def _slot_intact(self, pair: SlotPair, slot: HostSlot) -> bool:
+    def _slot_intact(self, pair: SlotPair, slot: HostSlot, arena: Optional[SharedSlotArena]) -> bool:
         """With verify_integrity, a memory slot is checked once against its capture checksum (and
         a predecessor's shared slot against its sidecar) before it may be used."""
         if not self.config.verify_integrity:
@@ -759,8 +827,8 @@ class InMemoryCheckpointManager:
         token = (slot.name, slot.step, timeline.lineage_of(slot.extra), slot.buffer.data_ptr())
         if token in self._verified:
             return True
-        if slot.adopted_from is not None and self._arena is not None and CRC_KEY in slot.extra:
-            reason = self._arena.verify(slot.name)  # the sidecar, and the bytes against the capture checksum
+        if slot.adopted_from is not None and arena is not None and CRC_KEY in slot.extra:
+            reason = arena.verify(slot.name)  # the sidecar, and the bytes against the capture checksum
         else:
             reason = checksum_problem(slot.extra, slot.payload())
         if reason is None:
@@ -787,7 +855,8 @@ class InMemoryCheckpointManager:
             # shared slot a copy-on-write private mapping of it (no bytes copied here), and the
             # slot's next capture goes to a fresh segment; for a heap slot a clone.
             pair, slot = source
-            private = self._arena.private_view(slot.name, slot.buffer) if self._arena is not None else None
+            arena = next((a for p, a in self._memory_pairs() if p is pair), None)
+            private = arena.private_view(slot.name, slot.buffer) if arena is not None else None
             if private is not None:
                 pair.lend(slot)
                 payload = private[: layout.total_bytes]
@@ -1000,6 +1069,12 @@ class InMemoryCheckpointManager:
                 self._arena.close(keep=keep_shared)
             except OSError as exc:
                 logger.warning("GEMINI: closing shared-memory slots failed: %s", exc)
+        for foreign in self._foreign:
+            try:
+                foreign.close(keep=keep_shared)
+            except OSError as exc:
+                logger.warning("GEMINI: closing rank %d's shared-memory slots failed: %s", foreign.rank, exc)
+        self._foreign = []
         if self._group is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group(self._group)
@@ -1045,6 +1120,20 @@ def _one_timeline(plan: RecoveryPlan, verdicts: list, reports: list) -> tuple:
     if timeline.abandoned(lineage, plan.step, known):
         return f"timeline {lineage} was abandoned before step {plan.step} by a later recovery", None
     return None, (lineage, seen[0][1] if seen else [])
+
+
+def _unavailable(step: int, reports: list) -> str:
+    """Why an exact recovery of `step` is refused: the owner ranks of which no rank holds a
+    usable copy, when that is the reason."""
+    missing = missing_owners(reports, step)
+    if missing:
+        shown = ", ".join(map(str, missing))
+        return (f"GEMINI step {step} was selected for recovery but is not loadable on every rank: no rank holds a "
+                f"usable copy of rank{'s' if len(missing) > 1 else ''} {shown} at step {step} (in memory, shared "
+                "memory or node-local disk: the hosts that held it are gone, or every copy was refused); refusing "
+                "to load anything. Resume from a durable checkpoint instead")
+    return (f"GEMINI step {step} was selected for recovery but is not loadable on every rank (its copies are "
+            "corrupt, on different timelines or from another run/topology); refusing to load anything")
 
 
 def _close_at_exit(ref: "weakref.ReferenceType") -> None:

@@ -39,10 +39,6 @@ class Pairing:
     def for_rank(rank: int, world_size: int, jump: int) -> "Pairing":
         return Pairing(jump, (rank + jump) % world_size, (rank - jump) % world_size)
 
-    def holder_of(self, owner: int, world_size: int) -> int:
-        """The rank that holds `owner`'s replica."""
-        return (owner + self.jump) % world_size
-
 
 _warned_one_node = False
 

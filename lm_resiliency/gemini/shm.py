@@ -55,7 +55,9 @@ page-locking) is security-critical and must be reviewed as one unit.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -67,7 +69,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -98,6 +100,7 @@ SIDECAR_SCHEMA = RecordSchema(
             "segment": nested(_SEGMENT_SCHEMA)})
 OWNER_SCHEMA = RecordSchema(what="rank directory owner record", identity=("version", SHM_VERSION), max_bytes=4096,
                             fields={"scope": text(), "pid": integer(None), "start_time": nullable(integer(None))})
+_TAKEOVER_LOCK_S = 5.0
 NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}-[0-9a-f]{8}")
 _RANK_DIR_RE = re.compile(r"rank-(?P<rank>\d{5})\.(?P<scope>[0-9a-f]+)")
 _TEMP_RE = re.compile(r"\.(?P<final>.+)\.tmp-(?P<scope>[0-9a-f]+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)")
@@ -672,7 +675,8 @@ class SharedSlotArena:
             fd = self._private_subdir(ns_fd, self._rank_name, self._dir)
             try:
                 if exists:
-                    self._take_over(fd)
+                    with _exclusive(fd, self._dir):
+                        self._take_over(fd)
                 _held.add(self._dir)
             except BaseException:
                 os.close(fd)
@@ -830,6 +834,26 @@ def read_sidecar(dir_fd: int, name: str, path: str, uid: int) -> Optional[dict]:
     data = read_file_bytes(name, "slot sidecar", max_bytes=SIDECAR_SCHEMA.max_bytes, trust=PRIVATE, dir_fd=dir_fd,
                            shown=shown, uid=uid, error=SegmentRejected)
     return None if data is None else parse_sidecar(data, shown)
+
+
+@contextlib.contextmanager
+def _exclusive(dir_fd: int, path: str) -> Iterator[None]:
+    """Hold an exclusive lock on a rank directory while its owner record is checked and replaced:
+    two processes of a host that both find its owner dead (a successor of that rank, another
+    rank claiming what a moved rank left) never both take it over."""
+    deadline = time.monotonic() + _TAKEOVER_LOCK_S
+    while True:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SharedMemoryUnavailable(errno.EBUSY, f"{path} is being taken over by another process") from None
+            time.sleep(0.01)
+    try:
+        yield
+    finally:
+        fcntl.flock(dir_fd, fcntl.LOCK_UN)
 
 
 def read_owner(dir_fd: int, path: str, uid: int) -> Optional[dict]:

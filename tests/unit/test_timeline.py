@@ -15,20 +15,20 @@ def reports(own, held=None, timelines=None):
 
 def test_same_step_on_two_lineages_is_never_joined():
     # Rank 0 holds A's step 40 and rank 1 B's step 40: only their common ancestor step 30 is eligible.
-    plan = choose_plan(reports([[(30, "A"), (40, "A")], [(30, "A"), (40, "B")]]), None)
+    plan = choose_plan(reports([[(30, "A"), (40, "A")], [(30, "A"), (40, "B")]]))
     assert plan == RecoveryPlan(30, {0: 0, 1: 1}, "A")
 
 
 def test_unknown_lineage_on_disk_stands_in_for_a_known_one_but_never_joins_two():
-    assert choose_plan(reports([[(40, "B")], [40]]), None) == RecoveryPlan(40, {0: 0, 1: 1}, "B")
-    assert choose_plan(reports([[40], [40]]), None) == RecoveryPlan(40, {0: 0, 1: 1}, None)
-    assert choose_plan(reports([[(40, "A")], [(40, "B"), 40]]), None) == RecoveryPlan(40, {0: 0, 1: 1}, "A")
+    assert choose_plan(reports([[(40, "B")], [40]])) == RecoveryPlan(40, {0: 0, 1: 1}, "B")
+    assert choose_plan(reports([[40], [40]])) == RecoveryPlan(40, {0: 0, 1: 1})
+    assert choose_plan(reports([[(40, "A")], [(40, "B"), 40]])) == RecoveryPlan(40, {0: 0, 1: 1}, "A")
 
 
 def test_state_abandoned_by_a_known_timeline_is_skipped():
     # B forked from (A, 30): A's step 40, even if every rank still has it, is abandoned.
     timelines = [{"B": [["A", 30]]}, None]
-    plan = choose_plan(reports([[(30, "A"), (40, "A")], [(30, "A"), (40, "A")]], timelines=timelines), None)
+    plan = choose_plan(reports([[(30, "A"), (40, "A")], [(30, "A"), (40, "A")]], timelines=timelines))
     assert plan == RecoveryPlan(30, {0: 0, 1: 1}, "A")
     assert abandoned("A", 40, [[("A", 30)]]) and not abandoned("A", 30, [[("A", 30)]])
 
