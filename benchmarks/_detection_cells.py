@@ -125,7 +125,8 @@ def campaign_json(cell: dict) -> Optional[dict]:
         return None
     if cls in ("sdc", "non_finite"):
         at = LIFETIMES[cell["lifetime"]]
-        trigger = {"range": {"start": at, "stop": None}} if cell["lifetime"] == "recurring" else {"at": [at]}
+        # A recurring fault is one permanent occurrence: in effect from its onset until the run ends.
+        trigger = {"at": [at]}
         lifetime = {"permanent": True} if cell["lifetime"] == "recurring" else {"matching_calls": 1}
         fault = {"type": "tensor_corruption",
                  "target": {"rank": rank, "surface": cell["surface"], "module_path": POSITIONS[cell["position"]]},
@@ -136,7 +137,7 @@ def campaign_json(cell: dict) -> Optional[dict]:
                  "parameters": {"seconds": HANG_S}}
     else:
         surface, module, work = STRAGGLERS[cell["variant"]]
-        trigger, lifetime = {"range": {"start": STRAGGLER_ONSET, "stop": None}}, {"permanent": True}
+        trigger, lifetime = {"at": [STRAGGLER_ONSET]}, {"permanent": True}
         target: Dict[str, Any] = {"rank": rank, "surface": surface}
         if module:
             target["module_path"] = module

@@ -17,11 +17,11 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from lm_resiliency.events import EventLogRejected, read_events
 from lm_resiliency.gemini import timeline
-from lm_resiliency.gemini.selection import choose_plan, has
+from lm_resiliency.gemini.selection import choose_plan, missing_owners
 from lm_resiliency.gemini.shm import (NAMESPACE_RE, SLOT_NAMES, SegmentRejected, default_shared_memory_dir,
                                       read_owner, read_sidecar, shared_namespace_of)
 from lm_resiliency.gemini.storage import StatusRejected, process_alive, read_status_document, shard_key_of, temp_scope
@@ -307,7 +307,6 @@ def resume_choice(run: RunView) -> ResumeChoice:
     if world == 0:
         return ResumeChoice(step=None, trust="latest", reason="no rank left any state here")
     usable = {r.rank: [c for c in r.copies if c.tier == DISK or r.shm_owner_alive is False] for r in run.ranks}
-    holder_of = _holder_of(run, world)
     reports = []
     for rank in range(world):
         own = [_entry(c) for c in usable.get(rank, []) if c.owner_rank == rank]
@@ -321,11 +320,11 @@ def resume_choice(run: RunView) -> ResumeChoice:
     if verified_only:
         sets = [set(r.verified_steps) for r in run.ranks if r.directory is not None]
         allowed = set.intersection(*sets) if sets else set()
-    plan = choose_plan(reports, holder_of, allowed_steps=allowed)
+    plan = choose_plan(reports, allowed_steps=allowed)
     trust = "recovery_verified" if verified_only else "latest"
     all_steps = sorted({c.step for cs in usable.values() for c in cs}, reverse=True)
     chosen = plan.step if plan is not None else None
-    newer = tuple((step, _why_not(step, reports, holder_of, world, allowed, by_rank))
+    newer = tuple((step, _why_not(step, reports, allowed, by_rank))
                   for step in all_steps if chosen is None or step > chosen)
     if plan is None:
         reason = ("no step that every rank can load" if all_steps else "no captured state")
@@ -341,26 +340,10 @@ def _entry(copy: Copy) -> Any:
     return [copy.step, copy.lineage] if copy.lineage is not None else copy.step
 
 
-def _holder_of(run: RunView, world: int) -> Optional[Callable[[int], int]]:
-    if run.jump:
-        jump = run.jump
-        return lambda owner: (owner + jump) % world
-    holders = {c.owner_rank: c.holder_rank for r in run.ranks for c in r.copies if c.owner_rank != c.holder_rank}
-    return (lambda owner: holders.get(owner, -1)) if holders else None
-
-
-def _why_not(step: int, reports: List[dict], holder_of: Optional[Callable[[int], int]], world: int,
-             allowed: Optional[Iterable[int]], by_rank: Dict[int, RankView]) -> str:
+def _why_not(step: int, reports: List[dict], allowed: Optional[Iterable[int]], by_rank: Dict[int, RankView]) -> str:
     if allowed is not None and step not in set(allowed):
         return "not RECOVERY_VERIFIED on every rank (SCOUT found SDC; only verified steps may be loaded)"
-    missing = []
-    for rank in range(world):
-        if has(reports[rank]["own"], step, None):
-            continue
-        holder = holder_of(rank) if holder_of is not None else None
-        if holder is not None and 0 <= holder < world and has(reports[holder]["held"].get(str(rank), []), step, None):
-            continue
-        missing.append(rank)
+    missing = missing_owners(reports, step)
     if not missing:
         return "every rank has a copy, but not on one timeline"
     absent = [r for r in missing if r not in by_rank]

@@ -35,7 +35,7 @@ import torch
 
 from lm_resiliency.gemini.shm import SharedSlotArena, default_shared_memory_dir, open_arena, shared_namespace
 from lm_resiliency.gemini.slots import SlotPair
-from lm_resiliency.gemini.storage import NodeLocalStore, run_namespace, temp_scope
+from lm_resiliency.gemini.storage import NodeLocalStore, boot_id, run_namespace, temp_scope
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,7 @@ class ForeignMemory:
 def host_key() -> str:
     """An opaque key that ranks on one host share (boot, host name, /dev/shm), for preferring a
     provider on the owner's own host. Only a preference: a wrong key never changes what loads."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    boot = boot_id()
     try:
         shm = os.stat("/dev/shm").st_dev
     except OSError:

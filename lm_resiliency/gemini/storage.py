@@ -152,6 +152,15 @@ def run_namespace(run_id: str, topology: str) -> str:
     return "gemini-" + digest[:24]
 
 
+def boot_id() -> str:
+    """The kernel's boot id ('' where /proc does not say): one value per host boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "r", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 @lru_cache(maxsize=1)
 def temp_scope() -> str:
     """Who may reap a temporary file by PID check: same boot and same PID namespace.
@@ -159,13 +168,12 @@ def temp_scope() -> str:
     A short hex hash of the kernel boot id and the PID-namespace inode. Where /proc is missing
     it falls back to the host name (weaker: containers sharing a host name share a scope).
     """
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "r", encoding="ascii") as f:
-            boot_id = f.read().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-        source = f"boot\0{boot_id}\0{pid_ns}"
-    except OSError:
-        source = f"host\0{socket.gethostname()}"
+    boot, source = boot_id(), f"host\0{socket.gethostname()}"
+    if boot:
+        try:
+            source = f"boot\0{boot}\0{os.stat('/proc/self/ns/pid').st_ino}"
+        except OSError:
+            pass
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
 

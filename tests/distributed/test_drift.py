@@ -5,8 +5,8 @@ import os
 import torch
 
 from lm_resiliency import wire
-from lm_resiliency.faults import (FaultCampaign, FaultIncident, FaultSpec, FaultTarget, IncidentTrigger,
-                                  enable_fault_injection)
+from lm_resiliency.faults import (FaultCampaign, FaultIncident, FaultSpec, FaultTarget, IncidentLifetime,
+                                  IncidentTrigger, enable_fault_injection)
 from lm_resiliency.manager_api import find_drift, format_drift, local_fingerprint
 from tests.faults.workloads import batches, make_model, train
 from tests.harness import run_ranks
@@ -55,11 +55,12 @@ def _train_with_injected_drift(rank, world, target):
         FaultSpec("lr", "config_drift", FaultTarget(target, surface="config"), {"key": "lr", "value": 0.5}),
         FaultSpec("env", "config_drift", FaultTarget(target, surface="config"),
                   {"env": "LMR_DRIFT_TEST_MODE", "value": 7}),
-    )),))
+    ), lifetime=IncidentLifetime(permanent=True)),))
     faults = enable_fault_injection(model, optimizer, campaign=campaign)
     train(model, optimizer, batches(3))
-    faults.close()
+    # Fingerprinted while the (permanent) drift is in effect: closing the kit restores what it changed.
     fingerprint = local_fingerprint(optimizer=optimizer, env_names=["LMR_DRIFT_TEST_MODE"])
+    faults.close()
     return find_drift(wire.all_gather_json(fingerprint))
 
 

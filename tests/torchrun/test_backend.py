@@ -257,3 +257,5 @@ def test_the_first_min_nodes_are_active_and_a_later_agent_parks_until_the_run_cl
     thread.join(60)
     assert not thread.is_alive() and "exit" in outcome
     assert not os.path.exists(tmp_path / "ctx-b" / "context.json")  # it never ran a generation
+    standby.shutdown()
+    active.shutdown()

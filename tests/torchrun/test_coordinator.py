@@ -19,7 +19,15 @@ from lm_resiliency.torchrun.coordinator import TorchrunCoordinatorError, check_l
 from lm_resiliency.torchrun.launches import LaunchMember
 from tests.torchrun.test_backend import _restore_environment  # noqa: F401 - the autouse fixture
 
-_AGENTS: list = []  # the launches' members: beating for as long as the test process runs
+_AGENTS: list = []  # the launches' members of the running test: beating until it ends
+
+
+@pytest.fixture(autouse=True)
+def _stop_agents():
+    """Every launch a test started stops beating when the test ends (no keep-alive thread outlives it)."""
+    yield
+    while _AGENTS:
+        _AGENTS.pop().stop()
 
 
 def _launch(store: Store, run_id: str) -> Store:
@@ -226,6 +234,7 @@ def test_close_run_closes_the_rendezvous_the_agents_use(tmp_path):
         coordinator.close_run()
     time.sleep(1.5)  # torch's state holder serves a cached state for up to 1 s
     assert handler.is_closed()
+    handler.shutdown()
 
 
 def test_every_agent_of_a_run_must_agree_on_manager_mode(tmp_path, monkeypatch):
