@@ -58,6 +58,7 @@ class ResiliencyHandle(Protocol):
     """The lifecycle surface every framework integration returns."""
 
     step_count: int
+    last_recovery_decision: Optional[RecoveryDecision]
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any: ...
     def checkpoint_io(self, kind: str, name: str = "checkpoint") -> Any: ...

@@ -25,6 +25,8 @@ from lm_resiliency import (SCHEMA_VERSION, CallbackDurableCheckpointAdapter, Cal
                            replay_fault_reports)
 from lm_resiliency import (BackgroundError, CertificationError, ConfigError, IdentityMismatch, IntegrityError,
                            NonFiniteState, RecoveredStateOverwrite, RecoveryUnavailable, StateEncodingError)
+from lm_resiliency import (AllToAllCapture, AllToAllReplayPolicy, AllToAllTrafficMatrix, BalancedAndPermutationPolicy,
+                           GroupedExpertMaterializer, LeadingDimensionMaterializer, ReplayWorkload)
 from lm_resiliency.scout.reports import ReplayResult
 
 
@@ -36,7 +38,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     handle: ResiliencyHandle = session
     mode = handle.prepare_recovery("node_lost")
     assert_type(mode, RecoveryMode)
-    decision = session.last_recovery_decision
+    decision = handle.last_recovery_decision
     assert_type(decision, Optional[RecoveryDecision])
     step = session.recover()
     assert_type(step, Optional[int])
@@ -103,3 +105,16 @@ def recover_or_explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     assert issubclass(NonFiniteState, BackgroundError) and issubclass(IntegrityError, BackgroundError)
     assert issubclass(ConfigError, ValueError) and issubclass(RecoveryUnavailable, RuntimeError)
     return ", ".join(cls.__name__ for cls in failures)
+
+
+def moe_replay(experts: Tuple[torch.nn.Module, ...]) -> ReplayWorkload:
+    grouped = ReplayWorkload(recipes=(4, 4), replay_modules=experts, materializer=GroupedExpertMaterializer())
+    assert_type(grouped, ReplayWorkload)
+    return ReplayWorkload(recipes=((2, 2),), replay_modules=experts, materializer=LeadingDimensionMaterializer())
+
+
+def alltoall_matrices(capture: AllToAllCapture) -> List[AllToAllTrafficMatrix]:
+    policy: AllToAllReplayPolicy = BalancedAndPermutationPolicy(max_payload_bytes_per_rank=1 << 20)
+    matrices = list(policy.generate(capture))
+    assert_type(matrices, List[AllToAllTrafficMatrix])
+    return matrices
