@@ -46,6 +46,7 @@ from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 from lm_resiliency.config import DATALOADER_RESUME_MODES
 from lm_resiliency.session import capture_rng, restore_rng
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ RESUME_MODES = DATALOADER_RESUME_MODES
 _TRACKED_CLASSES: Dict[type, type] = {}
 
 
-class AcceleratePreparationError(RuntimeError):
+class AcceleratePreparationError(ResiliencyError, RuntimeError):
     """The Accelerator is not in a state lm-resiliency can attach to (nothing prepared, ...)."""
 
 

@@ -34,6 +34,7 @@ from lm_resiliency.adapters import _lightning_compat as compat
 from lm_resiliency._torch_compat import pin_bucket_layout
 from lm_resiliency.adapters.pytorch import load_model_in_place, rewrap_optimizer_state
 from lm_resiliency.session import capture_rng, restore_rng
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy (ddp, ddp_spawn, dd
                         "ModelParallelStrategy (FSDP2 + tensor parallel)")
 
 
-class LightningStrategyError(TypeError):
+class LightningStrategyError(ResiliencyError, TypeError):
     """The Trainer's strategy (or optimizer setup) cannot be protected by lm-resiliency."""
 
 

@@ -6,6 +6,7 @@ Stable package-root API. Only names whose features exist are exported (see docs/
 from lm_resiliency.api import FrameworkName, enable_resiliency
 from lm_resiliency.codec import StateEncodingError
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.faults import (
     SCHEMA_VERSION,
     CallbackFaultExecutor,
@@ -82,8 +83,8 @@ __all__ = [
     # Checkpoint tuning
     "estimate_chunk_size",
     # Errors users catch (what each one means: docs/api.md, "Errors")
-    "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
-    "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError",
+    "ResiliencyError", "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch",
+    "BackgroundError", "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError",
     # Fault injection evaluation
     "enable_fault_injection", "SCHEMA_VERSION", "FaultCampaign", "FaultIncident", "IncidentTrigger",
     "IncidentLifetime", "IterationRange", "ClockSpec", "ClockType", "ClockOrigin", "FaultSpec", "FaultTarget",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from datetime import timedelta
+from lm_resiliency.errors import ResiliencyError
 
 # The longest wait every consumer of a time value accepts: threading waits (TIMEOUT_MAX) and
 # datetime.timedelta (process-group and collective timeouts). Longer values overflow later.
@@ -14,7 +15,7 @@ MAX_SECONDS = float(min(threading.TIMEOUT_MAX, timedelta.max.total_seconds()))
 MAX_STEP_INTERVAL = 1_000_000_000
 
 
-class ConfigError(ValueError):
+class ConfigError(ResiliencyError, ValueError):
     """A configuration value is invalid. The message names the field and the accepted values."""
 
 

@@ -40,6 +40,7 @@ from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
 from lm_resiliency.gemini.shm import (NAMESPACE_RE, default_shared_memory_dir, judge_rank_dirs, last_written,
                                       remove_dead_temp_dirs, remove_tree)
 from lm_resiliency.gemini.storage import attachment, temp_scope
+from lm_resiliency.errors import ResiliencyError
 
 _DISK_NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}")
 _DISK_RANK_RE = re.compile(r"rank-\d{5}")
@@ -48,7 +49,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-class CleanupError(OSError):
+class CleanupError(ResiliencyError, OSError):
     """A folder to clean cannot be used safely (a symbolic link, another user's, not a directory)."""
 
 

@@ -19,6 +19,7 @@ import torch
 
 from lm_resiliency._values import is_int as _is_int
 from lm_resiliency.files import RecordRejected, RecordSchema, array, check_record, integer, nested, text
+from lm_resiliency.errors import ResiliencyError
 
 ALIGNMENT = 64
 # Containers (dict/list/tuple) nested deeper than this are refused at capture: each level is three
@@ -42,7 +43,7 @@ _PLAIN_SCALARS = (str, int, bool)
 _PLAIN_KEYS = (str, int)
 
 
-class StateEncodingError(TypeError):
+class StateEncodingError(ResiliencyError, TypeError):
     """A value in the state cannot be captured safely (no pickle fallback exists)."""
 
 

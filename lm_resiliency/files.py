@@ -15,6 +15,7 @@ import stat
 from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Type, Union
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ INPUT = "input"
 _FILE_TRUST = {PRIVATE: 0o077, CONFIG: 0o022}
 
 
-class RecordRejected(ValueError):
+class RecordRejected(ResiliencyError, ValueError):
     """A document from outside this process is missing a part, malformed, too large, of another
     schema or version, out of range, or its file is unsafe (a link, not a regular file, another
     owner, group/other access). The message names where it came from and what was wrong."""

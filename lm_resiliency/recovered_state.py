@@ -30,11 +30,12 @@ import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
+from lm_resiliency.errors import ResiliencyError
 
 RESUME_STEP_NAME = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
 
 
-class RecoveredStateOverwrite(RuntimeError):
+class RecoveredStateOverwrite(ResiliencyError, RuntimeError):
     """User code loaded state into a model or optimizer that lm-resiliency had just recovered."""
 
 

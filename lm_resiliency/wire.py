@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from lm_resiliency.files import json_copy, loads_strict_json
 from lm_resiliency.tensor_bytes import tensor_bytes
+from lm_resiliency.errors import ResiliencyError
 
 
 def encode_json(value: Any) -> torch.Tensor:
@@ -77,7 +78,7 @@ def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = No
     return decode_json(buffer)
 
 
-class ShortMessage(RuntimeError):
+class ShortMessage(ResiliencyError, RuntimeError):
     """A point-to-point message ended before the length its sender announced."""
 
 

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from lm_resiliency.cli.picture import Generation, Mark, Picture, draw
 from lm_resiliency.events import EventLogRejected, read_events
+from lm_resiliency.errors import ResiliencyError
 
 _RANK_RE = re.compile(r"rank-(\d{5})")
 _NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}")
@@ -19,7 +20,7 @@ REPORT_COLORS = {"sdc": "#d62728", "sdc_peer_group": "#d62728", "sdc_inconclusiv
                  "compute_straggler": "#ff7f0e", "communication_straggler": "#ff7f0e", "hang": "#1f77b4"}
 
 
-class TimelineError(Exception):
+class TimelineError(ResiliencyError):
     """No run (or no unambiguous run) can be read at the given path; the message says what to pass."""
 
 

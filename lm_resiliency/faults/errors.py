@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from lm_resiliency.files import RecordRejected
+from lm_resiliency.errors import ResiliencyError
 
 
 class CampaignSchemaError(RecordRejected):
@@ -20,13 +21,13 @@ class CampaignSchemaError(RecordRejected):
         super().__init__(f"{path}: {reason}")
 
 
-class CampaignIdentityError(ValueError):
+class CampaignIdentityError(ResiliencyError, ValueError):
     """A campaign state store or journal belongs to another manifest than the one attached: its
     claims and records would be taken for this manifest's (a changed fault recorded
     `already_claimed` and never injected). The message names both manifest digests."""
 
 
-class UnsupportedFaultError(ValueError):
+class UnsupportedFaultError(ResiliencyError, ValueError):
     """An executor cannot perform this fault here (or the campaign cannot be bound to this
     model); the message says why. A `ValueError`: the fault as given is refused."""
 
@@ -36,7 +37,7 @@ class UnsupportedFaultError(ValueError):
         super().__init__(f"fault {fault_id!r} cannot be injected here: {reason}")
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(ResiliencyError, RuntimeError):
     """Raised on purpose by an `exception` fault (and its `timeout`/`io_error` subclasses);
     never raised by anything else. Catching it in a test proves the fault was the cause."""
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lm_resiliency import wire
 from lm_resiliency.config import RUN_ID_ENV, env_run_id
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ FIX = ("set InMemoryCkptConfig(run_id=...) (ResiliencyCallback(run_id=...)), or 
 _warned_placeholders: set = set()
 
 
-class IdentityMismatch(RuntimeError):
+class IdentityMismatch(ResiliencyError, RuntimeError):
     """Ranks disagree on the run identity; nothing is loaded or written."""
 
 

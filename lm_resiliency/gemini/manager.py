@@ -48,13 +48,14 @@ from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_are
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
 from lm_resiliency.gemini.workers import BackgroundError, Worker
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
 _KEEP_GENERATIONS = 2
 
 
-class RecoveryUnavailable(RuntimeError):
+class RecoveryUnavailable(ResiliencyError, RuntimeError):
     """A manager-selected step cannot be loaded on every rank (fails closed)."""
 
 

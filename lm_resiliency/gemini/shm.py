@@ -81,6 +81,7 @@ from lm_resiliency.files import (PRIVATE, Field, RecordRejected, RecordSchema, a
                                  nullable, open_private_dir, parse_record, read_file_bytes, text)
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ _held: set = set()
 _held_lock = threading.Lock()
 
 
-class SharedMemoryUnavailable(OSError):
+class SharedMemoryUnavailable(ResiliencyError, OSError):
     """Shared-memory slots cannot be used here; the manager falls back to heap slots."""
 
 

@@ -6,13 +6,14 @@ import logging
 import queue
 import threading
 from typing import Callable, Optional
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
 
 
-class BackgroundError(RuntimeError):
+class BackgroundError(ResiliencyError, RuntimeError):
     """A background capture, replication or flush failed; raised at the next maybe_wait()/save()."""
 
 

@@ -42,6 +42,7 @@ from lm_resiliency.manager_api.transfer_metadata import (
     chunk_bounds,
     metadata_crc,
 )
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ BACKENDS = ("torch_dist", "nixl")
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 
-class TransferBackendUnavailable(RuntimeError):
+class TransferBackendUnavailable(ResiliencyError, RuntimeError):
     """The requested transfer backend cannot run here and no fallback was allowed."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from lm_resiliency.errors import ResiliencyError
 
 Recipe = Union[int, Tuple[int, ...]]   # scalar n_exec, or one row count per local expert
 InputKey = Union[int, str]             # a positional index or a keyword name
@@ -26,7 +27,7 @@ PEER_ROLES = ("dense", "expert")
 CATALOG_SCHEMA = "lm-resiliency/moe-replay-catalog/v1"
 
 
-class MaterializationError(ValueError):
+class MaterializationError(ResiliencyError, ValueError):
     """A captured invocation does not fit the materializer's contract (the error says which input)."""
 
 

@@ -67,6 +67,7 @@ from lm_resiliency.scout.reports import (
     SCOPE_RANK,
     SCOUTFaultReport,
 )
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ _RULE_CONFIDENCE = {
 }
 
 
-class MonitorError(RuntimeError):
+class MonitorError(ResiliencyError, RuntimeError):
     """The OOB monitor failed: its report callback raised or its thread died."""
 
 

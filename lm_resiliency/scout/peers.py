@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from lm_resiliency._values import is_int
 from lm_resiliency.scout.reports import CheckOutcome
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ DATA_PARALLEL_DIMS = frozenset({"dp", "dp_replicate", "dp_shard", "data_parallel
 MODEL_PARALLEL_DIMS = frozenset({"tp", "tensor_parallel"})
 
 
-class UnknownLayoutError(ValueError):
+class UnknownLayoutError(ResiliencyError, ValueError):
     """The parallel layout does not say which ranks compute the same thing; SCOUT will not guess."""
 
 

@@ -69,6 +69,7 @@ from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
 from lm_resiliency.wrappers import unwrap_model
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +79,13 @@ ERROR_SIGNATURE = "error"
 _HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason", "live"}
 
 
-class ReplayError(RuntimeError):
+class ReplayError(ResiliencyError, RuntimeError):
     """A replay check could not be run (peers disagree on the plan, or on the shared bytes).
 
     Raised on every peer of the group at the same point, so collectives stay aligned."""
 
 
-class ReplayUnsupportedError(ValueError):
+class ReplayUnsupportedError(ResiliencyError, ValueError):
     """The model cannot be replayed by this detector (e.g. a grouped `fully_shard([...])`)."""
 
 

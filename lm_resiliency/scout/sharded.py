@@ -39,9 +39,10 @@ from lm_resiliency._torch_compat import (
     fsdp_param_groups,
     fsdp_state,
 )
+from lm_resiliency.errors import ResiliencyError
 
 
-class ShardedReplayError(ValueError):
+class ShardedReplayError(ResiliencyError, ValueError):
     """An FSDP layout that cannot be unsharded and restored exactly for a replay."""
 
 

@@ -57,6 +57,7 @@ from lm_resiliency.torchrun.retirement import (FAULT_RECORD, NodeFault, NodeReti
                                                read_fault)
 from lm_resiliency.torchrun.selection import NODE_REPORT, NodeReport, Selection, SelectionRefused, select_step
 from lm_resiliency.torchrun.worker_records import NodeSteps, node_steps
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ _MAX_BEAT_INTERVAL_S = 1.0
 _MAX_REASON = 8192  # a manager's reason is bounded by its own record; the context adds a note
 
 
-class RendezvousRefused(RuntimeError):
+class RendezvousRefused(ResiliencyError, RuntimeError):
     """This agent may not join the run (duplicate identity, policy mismatch, unsafe context)."""
 
 

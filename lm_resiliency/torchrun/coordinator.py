@@ -33,6 +33,7 @@ from lm_resiliency.files import (RecordRejected, RecordSchema, array, check_reco
                                  parse_record, text)
 from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_LATEST, TRUST_VERIFIED, topology_digest
 from lm_resiliency.torchrun.launches import Launch, LaunchError, inner_run_id, launch_store, live_launch
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ _SOURCES = ("gemini", "none")
 _SECONDS = number(None, None)
 
 
-class TorchrunCoordinatorError(RuntimeError):
+class TorchrunCoordinatorError(ResiliencyError, RuntimeError):
     """A coordinator operation failed (bad request, second publication, lost lease store)."""
 
 

@@ -30,6 +30,7 @@ from lm_resiliency.files import (PRIVATE, RecordRejected, RecordSchema, array, a
 from lm_resiliency.scout.reports import HANG, SCOPE_RANK
 from lm_resiliency.torchrun.binding import RoundBinding, foreign
 from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_VERIFIED, ContextError, RestartContext
+from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ ACK_RECORD = RecordSchema(what="fault acknowledgement", identity=("schema", ACK_
     "run_id": RUN_ID, "launch_id": ID, "node_id": ID, "generation": integer(0)})
 
 
-class TorchrunFaultDetected(RuntimeError):
+class TorchrunFaultDetected(ResiliencyError, RuntimeError):
     """Raised in every worker when SCOUT's verdict ends the generation: the agents retire the named
     node slot(s) and restart from the newest RECOVERY_VERIFIED step."""
 

@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 from lm_resiliency.files import RecordSchema, integer, nested, nullable, parse_record
 from lm_resiliency.torchrun.context import ID, STEPS, TRUST_LATEST, TRUST_VERIFIED, ContextError
 from lm_resiliency.torchrun.retirement import FAULT_RECORD, NodeFault
+from lm_resiliency.errors import ResiliencyError
 
 REPORT_SCHEMA = "lm-resiliency-torchrun-node-report/1"
 NODE_REPORT = RecordSchema(what="node report", identity=("schema", REPORT_SCHEMA), fields={
@@ -18,7 +19,7 @@ NODE_REPORT = RecordSchema(what="node report", identity=("schema", REPORT_SCHEMA
     "refused": STEPS, "fault": nullable(nested(FAULT_RECORD))})
 
 
-class SelectionRefused(RuntimeError):
+class SelectionRefused(ResiliencyError, RuntimeError):
     """No step satisfies the round's trust requirement: the generation must not start."""
 
 

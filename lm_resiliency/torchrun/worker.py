@@ -11,12 +11,13 @@ from typing import Callable, List, Mapping, Optional, Protocol
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.binding import RoundBinding
 from lm_resiliency.torchrun.context import CONTEXT_ENV
+from lm_resiliency.errors import ResiliencyError
 
 CHECKPOINT_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
 BOOTSTRAP_ENV = "LM_RESILIENCY_TORCHRUN_BOOTSTRAPPED"
 
 
-class TorchrunWorkerAdapterError(RuntimeError):
+class TorchrunWorkerAdapterError(ResiliencyError, RuntimeError):
     """A torchrun worker cannot attach safely (ambiguous objects, wrong generation, bad policy)."""
 
 

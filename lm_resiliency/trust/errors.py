@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lm_resiliency.files import RecordRejected
+from lm_resiliency.errors import ResiliencyError
 
 if TYPE_CHECKING:
     from lm_resiliency.trust.decision import BoundaryDecision
 
 
-class CertificationError(RuntimeError):
+class CertificationError(ResiliencyError, RuntimeError):
     """Certification state is unusable or the ranks do not agree; the message says why."""
 
 

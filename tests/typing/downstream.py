@@ -24,7 +24,8 @@ from lm_resiliency import (SCHEMA_VERSION, CallbackDurableCheckpointAdapter, Cal
                            UnsupportedFaultError, enable_fault_injection, enable_resiliency, estimate_chunk_size,
                            replay_fault_reports)
 from lm_resiliency import (BackgroundError, CertificationError, ConfigError, IdentityMismatch, IntegrityError,
-                           NonFiniteState, RecoveredStateOverwrite, RecoveryUnavailable, StateEncodingError)
+                           NonFiniteState, RecoveredStateOverwrite, RecoveryUnavailable, ResiliencyError,
+                           StateEncodingError)
 from lm_resiliency import (AllToAllCapture, AllToAllReplayPolicy, AllToAllTrafficMatrix, BalancedAndPermutationPolicy,
                            GroupedExpertMaterializer, LeadingDimensionMaterializer, ReplayWorkload)
 from lm_resiliency.scout.reports import ReplayResult
@@ -100,6 +101,8 @@ def recover_or_explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     try:
         model.load_state_dict({})
     except RecoveredStateOverwrite as exc:
+        return str(exc)
+    except ResiliencyError as exc:   # any other lm-resiliency failure
         return str(exc)
     failures: Tuple[type, ...] = (BackgroundError, NonFiniteState, IntegrityError, StateEncodingError)
     assert issubclass(NonFiniteState, BackgroundError) and issubclass(IntegrityError, BackgroundError)
