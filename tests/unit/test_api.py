@@ -37,7 +37,7 @@ def test_package_root_exports_exactly_the_stable_names_that_exist():
               "RecoveryMode", "estimate_chunk_size",
               "ReplayWorkload", "GroupedExpertMaterializer", "LeadingDimensionMaterializer", "AllToAllReplayPolicy",
               "AllToAllCapture", "AllToAllTrafficMatrix", "BalancedAndPermutationPolicy",
-              "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
+              "ResiliencyError", "ConfigError", "RecoveryUnavailable", "RecoveredStateOverwrite", "IdentityMismatch", "BackgroundError",
               "NonFiniteState", "IntegrityError", "CertificationError", "StateEncodingError"} | set(STABLE_EXPORTS)
     assert sorted(lm_resiliency.__all__) == sorted(stable) and len(lm_resiliency.__all__) == len(stable)
     for name in lm_resiliency.__all__:
