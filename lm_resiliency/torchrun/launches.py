@@ -190,10 +190,10 @@ class LaunchMember:
             self.store.add(f"beat/{self.node_id}", 1)
 
     def stop(self) -> None:
-        """Stops the keep-alive; returns once its thread has ended (a beat in flight finishes first)."""
+        """Stops the keep-alive; returns once its thread has ended (a beat in flight gets 5 s to finish)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=5)
 
     def _start(self) -> None:
         self.beat()
