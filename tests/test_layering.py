@@ -11,7 +11,7 @@ Layers, highest first; a module may import its own layer or lower ones, never a 
               each other; trust reaches GEMINI's storage through its StatusStore protocol and
               SCOUT's results through its ReplayEvidence protocol)
     core      wire, codec, files, config, tensor_bytes, checksum, recovery, payload, _values, wrappers,
-              _torch_compat, events, log_level
+              _torch_compat, events, log_level, errors
 
 Imports inside functions count as much as module-level ones, and no two modules may import each
 other, directly or through others (a cycle).
@@ -45,7 +45,7 @@ _PREFIXES = (
 CORE = {"lm_resiliency.wire", "lm_resiliency.codec", "lm_resiliency.files", "lm_resiliency.config",
         "lm_resiliency.tensor_bytes", "lm_resiliency.checksum", "lm_resiliency.recovery", "lm_resiliency._values",
         "lm_resiliency.wrappers", "lm_resiliency._torch_compat", "lm_resiliency.payload", "lm_resiliency.events",
-        "lm_resiliency.log_level"}
+        "lm_resiliency.log_level", "lm_resiliency.errors"}
 # Engine packages that never import one another (source, target). The manager API may use
 # trust's RecoveryDecision builder; the session layer joins the engines.
 APART = (("gemini", "scout"), ("scout", "gemini"), ("gemini", "trust"), ("scout", "trust"),
