@@ -45,8 +45,8 @@ from lm_resiliency._torch_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 from lm_resiliency.config import DATALOADER_RESUME_MODES
-from lm_resiliency.session import capture_rng, restore_rng
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.session import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 

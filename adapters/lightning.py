@@ -33,8 +33,8 @@ from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters import _lightning_compat as compat
 from lm_resiliency._torch_compat import pin_bucket_layout
 from lm_resiliency.adapters.pytorch import load_model_in_place, rewrap_optimizer_state
-from lm_resiliency.session import capture_rng, restore_rng
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.session import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from datetime import timedelta
+
 from lm_resiliency.errors import ResiliencyError
 
 # The longest wait every consumer of a time value accepts: threading waits (TIMEOUT_MAX) and

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.gemini.shm import (NAMESPACE_RE, default_shared_memory_dir, judge_rank_dirs, last_written,
                                       remove_dead_temp_dirs, remove_tree)
 from lm_resiliency.gemini.storage import attachment, temp_scope
-from lm_resiliency.errors import ResiliencyError
 
 _DISK_NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}")
 _DISK_RANK_RE = re.compile(r"rank-\d{5}")

@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from lm_resiliency._values import is_int as _is_int
-from lm_resiliency.files import RecordRejected, RecordSchema, array, check_record, integer, nested, text
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.files import RecordRejected, RecordSchema, array, check_record, integer, nested, text
 
 ALIGNMENT = 64
 # Containers (dict/list/tuple) nested deeper than this are refused at capture: each level is three

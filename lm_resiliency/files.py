@@ -15,6 +15,7 @@ import stat
 from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Type, Union
+
 from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
+
 from lm_resiliency.errors import ResiliencyError
 
 RESUME_STEP_NAME = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"

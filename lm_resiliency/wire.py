@@ -9,9 +9,9 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import json_copy, loads_strict_json
 from lm_resiliency.tensor_bytes import tensor_bytes
-from lm_resiliency.errors import ResiliencyError
 
 
 def encode_json(value: Any) -> torch.Tensor:

@@ -11,8 +11,8 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from lm_resiliency.cli.picture import Generation, Mark, Picture, draw
-from lm_resiliency.events import EventLogRejected, read_events
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.events import EventLogRejected, read_events
 
 _RANK_RE = re.compile(r"rank-(\d{5})")
 _NAMESPACE_RE = re.compile(r"gemini-[0-9a-f]{24}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from lm_resiliency.files import RecordRejected
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.files import RecordRejected
 
 
 class CampaignSchemaError(RecordRejected):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lm_resiliency import checksum, wire
 from lm_resiliency.config import ConfigError, InMemoryCkptConfig, env_keep_shared_memory
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure, decode_state, encode_state
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.gemini.abandon import AbandonBoard, close_links
 from lm_resiliency.gemini.device import launch_copy
 from lm_resiliency.gemini.foreign import ForeignMemory, claim_memory, disk_identity, host_key, open_disks
@@ -48,7 +49,6 @@ from lm_resiliency.gemini.shm import HostMemoryReport, SharedSlotArena, open_are
 from lm_resiliency.gemini.slots import Allocator, HostSlot, SlotPair, heap_allocator
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey, ShardRejected
 from lm_resiliency.gemini.workers import BackgroundError, Worker
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

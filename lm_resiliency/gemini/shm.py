@@ -75,13 +75,13 @@ import torch
 
 from lm_resiliency.checksum import crc32, tensor_crc32
 from lm_resiliency.config import DEFAULT_REAP_OTHER_RUNS_AFTER_S
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, open_owned
 from lm_resiliency.codec import Layout, StateSchemaError, check_structure
 from lm_resiliency.files import (PRIVATE, Field, RecordRejected, RecordSchema, any_json, atomic_write, integer, nested,
                                  nullable, open_private_dir, parse_record, read_file_bytes, text)
 from lm_resiliency.gemini.integrity import CRC_KEY, checksum_problem
 from lm_resiliency.gemini.storage import process_alive, process_start_time, run_namespace, temp_scope
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

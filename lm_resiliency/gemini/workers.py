@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 from typing import Callable, Optional
+
 from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)

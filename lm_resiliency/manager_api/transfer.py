@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lm_resiliency import wire
 from lm_resiliency._values import is_int
 from lm_resiliency.checksum import tensor_crc32
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.gemini.storage import NodeLocalStore, Shard, ShardKey
 from lm_resiliency.manager_api.transfer_metadata import (
     TransferKey,
@@ -42,7 +43,6 @@ from lm_resiliency.manager_api.transfer_metadata import (
     chunk_bounds,
     metadata_crc,
 )
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

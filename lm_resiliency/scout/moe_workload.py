@@ -18,6 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+
 from lm_resiliency.errors import ResiliencyError
 
 Recipe = Union[int, Tuple[int, ...]]   # scalar n_exec, or one row count per local expert

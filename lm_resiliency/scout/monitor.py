@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import RecordSchema, array, integer, nested, nullable, number, parse_record, text
 from lm_resiliency.scout.config import ReplayHarnessConfig
 from lm_resiliency.scout.reports import (
@@ -67,7 +68,6 @@ from lm_resiliency.scout.reports import (
     SCOPE_RANK,
     SCOUTFaultReport,
 )
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections import Counter
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from lm_resiliency._values import is_int
-from lm_resiliency.scout.reports import CheckOutcome
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.scout.reports import CheckOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -48,6 +48,7 @@ from torch import nn
 from lm_resiliency._values import is_int
 from lm_resiliency import wire
 from lm_resiliency.codec import Layout, StateEncodingError, StateSchemaError, decode_state, encode_state
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import json_copy
 from lm_resiliency.scout.backward import OutputGradCapture, grad_leaf, replay_gradients
 from lm_resiliency.scout.config import CHECK_CLASSES, ReplayHarnessConfig
@@ -69,7 +70,6 @@ from lm_resiliency.scout.reports import CheckOutcome, ReplayResult
 from lm_resiliency.scout.sharded import ShardedReplayError, check_replayable, fsdp_modules_for, unsharded
 from lm_resiliency.scout.signature import structure_signature, tensor_signature
 from lm_resiliency.wrappers import unwrap_model
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

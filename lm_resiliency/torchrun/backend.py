@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, R
                                                   RendezvousParameters)
 
 from lm_resiliency.config import RUN_ID_ENV
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import RecordRejected, encode_record
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.binding import RoundBinding, StaleLog
@@ -57,7 +58,6 @@ from lm_resiliency.torchrun.retirement import (FAULT_RECORD, NodeFault, NodeReti
                                                read_fault)
 from lm_resiliency.torchrun.selection import NODE_REPORT, NodeReport, Selection, SelectionRefused, select_step
 from lm_resiliency.torchrun.worker_records import NodeSteps, node_steps
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

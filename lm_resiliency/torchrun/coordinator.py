@@ -29,11 +29,11 @@ from typing import Any, Dict, Optional, Tuple
 from torch.distributed import Store
 
 from lm_resiliency._values import is_int
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import (RecordRejected, RecordSchema, array, check_record, encode_record, integer, number,
                                  parse_record, text)
 from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_LATEST, TRUST_VERIFIED, topology_digest
 from lm_resiliency.torchrun.launches import Launch, LaunchError, inner_run_id, launch_store, live_launch
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

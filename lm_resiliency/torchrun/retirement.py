@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import (PRIVATE, RecordRejected, RecordSchema, array, atomic_write, check_record,
                                  encode_record, integer, parse_record, read_record, text)
 from lm_resiliency.scout.reports import HANG, SCOPE_RANK
 from lm_resiliency.torchrun.binding import RoundBinding, foreign
 from lm_resiliency.torchrun.context import ID, RUN_ID, TRUST_VERIFIED, ContextError, RestartContext
-from lm_resiliency.errors import ResiliencyError
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.files import RecordSchema, integer, nested, nullable, parse_record
 from lm_resiliency.torchrun.context import ID, STEPS, TRUST_LATEST, TRUST_VERIFIED, ContextError
 from lm_resiliency.torchrun.retirement import FAULT_RECORD, NodeFault
-from lm_resiliency.errors import ResiliencyError
 
 REPORT_SCHEMA = "lm-resiliency-torchrun-node-report/1"
 NODE_REPORT = RecordSchema(what="node report", identity=("schema", REPORT_SCHEMA), fields={

@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Protocol
 
+from lm_resiliency.errors import ResiliencyError
 from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.binding import RoundBinding
 from lm_resiliency.torchrun.context import CONTEXT_ENV
-from lm_resiliency.errors import ResiliencyError
 
 CHECKPOINT_STEP_ENV = "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"
 BOOTSTRAP_ENV = "LM_RESILIENCY_TORCHRUN_BOOTSTRAPPED"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lm_resiliency.files import RecordRejected
 from lm_resiliency.errors import ResiliencyError
+from lm_resiliency.files import RecordRejected
 
 if TYPE_CHECKING:
     from lm_resiliency.trust.decision import BoundaryDecision
