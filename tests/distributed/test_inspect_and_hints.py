@@ -92,7 +92,8 @@ def test_inspect_names_both_runs_and_the_relaunch_resumes_where_it_says(two_runs
     assert [(ws3[r]["newest_complete_step"], ws3[r]["recovery_verified_step"]) for r in range(3)] == [
         (4, 4), (4, 4), (2, 4)]
     assert [r["newest_complete_step"] for r in runs["ws2"]["ranks"]] == [2, 2]
-    assert runs["ws3"]["resume"]["step"] == 2 and runs["ws2"]["resume"]["step"] == 2, (runs["ws3"]["resume"], runs["ws2"]["resume"])
+    assert runs["ws3"]["resume"]["step"] == 2 and runs["ws2"]["resume"]["step"] == 2, (
+        runs["ws3"]["resume"], runs["ws2"]["resume"])
     assert runs["ws3"]["resume"]["newer"] == [{"step": 4, "why_not": "no copy of rank 2's state at this step "
                                                                      "(neither its own nor its peer's replica)"}]
 

@@ -240,22 +240,24 @@ def test_the_first_min_nodes_are_active_and_a_later_agent_parks_until_the_run_cl
     _use_machine(tmp_path, "b")
     standby = create_rendezvous_handler(_params(tmp_path, run_id=run_id, max_nodes=2, context="ctx-b",
                                                 keep_alive_interval="1"))
-    outcome: dict = {}
+    try:
+        outcome: dict = {}
 
-    def park() -> None:
-        try:
-            outcome["info"] = standby.next_rendezvous()
-        except RendezvousGracefulExitError as exc:
-            outcome["exit"] = exc
+        def park() -> None:
+            try:
+                outcome["info"] = standby.next_rendezvous()
+            except RendezvousGracefulExitError as exc:
+                outcome["exit"] = exc
 
-    thread = threading.Thread(target=park, daemon=True)
-    thread.start()
-    time.sleep(4)
-    assert thread.is_alive() and not outcome, "the standby joined instead of parking"
-    assert active.num_nodes_waiting() == 0  # a parked standby does not restart the active group
-    active.set_closed()
-    thread.join(60)
-    assert not thread.is_alive() and "exit" in outcome
-    assert not os.path.exists(tmp_path / "ctx-b" / "context.json")  # it never ran a generation
-    standby.shutdown()
-    active.shutdown()
+        thread = threading.Thread(target=park, daemon=True)
+        thread.start()
+        time.sleep(4)
+        assert thread.is_alive() and not outcome, "the standby joined instead of parking"
+        assert active.num_nodes_waiting() == 0  # a parked standby does not restart the active group
+        active.set_closed()
+        thread.join(60)
+        assert not thread.is_alive() and "exit" in outcome
+        assert not os.path.exists(tmp_path / "ctx-b" / "context.json")  # it never ran a generation
+    finally:
+        standby.shutdown()
+        active.shutdown()

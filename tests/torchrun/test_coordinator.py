@@ -227,14 +227,16 @@ def test_a_tcp_store_outage_latches_too(tmp_path):
 def test_close_run_closes_the_rendezvous_the_agents_use(tmp_path):
     # A closed rendezvous is what makes torch's parked standbys exit (test_backend's parking test).
     handler = _managed_agent(tmp_path, uuid.uuid4().hex)
-    assert not handler.is_closed()
-    with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), handler.run_id) as coordinator:
-        placement = coordinator.initial_placement()
-        assert (placement.generation, placement.nodes, placement.node_ids) == (0, 1, (handler.node_id,))
-        coordinator.close_run()
-    time.sleep(1.5)  # torch's state holder serves a cached state for up to 1 s
-    assert handler.is_closed()
-    handler.shutdown()
+    try:
+        assert not handler.is_closed()
+        with TorchrunRecoveryCoordinator(FileStore(str(tmp_path / "rdzv")), handler.run_id) as coordinator:
+            placement = coordinator.initial_placement()
+            assert (placement.generation, placement.nodes, placement.node_ids) == (0, 1, (handler.node_id,))
+            coordinator.close_run()
+        time.sleep(1.5)  # torch's state holder serves a cached state for up to 1 s
+        assert handler.is_closed()
+    finally:
+        handler.shutdown()
 
 
 def test_every_agent_of_a_run_must_agree_on_manager_mode(tmp_path, monkeypatch):
