@@ -17,6 +17,9 @@
   ones are ignored, saying why), and write it, with the launch, generation, slot and topology,
   to the owner-only restart context the workers read; the workers check it against what the
   agent exports (launch, node, generation, a digest of the bytes);
+* an agent cut off from the store (or unresponsive) for twice the keep-alive expiry is fenced
+  (fencing.py): the others stop their workers and a standby takes its slot; it stops its workers
+  and exits, never to rejoin the launch;
 * an agent whose node slot SCOUT named faulty leaves the rendezvous and exits (`NodeRetired`),
   never to rejoin the run; the parked standby takes the free slot. A hang is recorded on the node
   of the one worker that reported it: its agent publishes the named slots in the store
@@ -49,6 +52,7 @@ from lm_resiliency.torchrun import context as ctx
 from lm_resiliency.torchrun.binding import RoundBinding, StaleLog
 from lm_resiliency.torchrun.context import CONTEXT_ENV, LAUNCH_ENV, NODE_ENV, POLICY_DIGEST_ENV, POLICY_ENV
 from lm_resiliency.torchrun._compat import agent_local_world_size, leave_rendezvous, membership, rendezvous_round
+from lm_resiliency.torchrun.fencing import Fence, PeerBeats, own_fence, within, write_fence
 from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
                                                 check_lease, commit_placement, read_placement, successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
@@ -117,17 +121,20 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self.join_timeout_s = float(params.get_as_int("join_timeout", 600) or 600)
         keep_alive_s = float(params.get_as_int("keep_alive_interval", 5) or 5)
         expiry_s = keep_alive_s * float(params.get_as_int("keep_alive_max_attempt", 3) or 3)
-        # A node must stay missing twice as long as torch takes to declare it dead: an agent that
-        # restarts its workers leaves the round and rejoins, slowly on a loaded host.
-        self._standby_confirm_s = 2.0 * expiry_s
+        # A node must stay missing twice as long as torch takes to declare it dead before a standby
+        # takes its place (an agent that restarts its workers leaves the round and rejoins, slowly
+        # on a loaded host), and an agent silent that long is fenced: the same bound.
+        self._fence_s = 2.0 * expiry_s
+        self._endpoint = params.endpoint
         _, store = create_backend(RendezvousParameters(params.backend, params.endpoint, params.run_id,
                                                        params.min_nodes, params.min_nodes, params.local_addr,
                                                        **params.config))
         self._raw: Store = store
         self._run = run_store(store, params.run_id)
         self._check_not_retired()
-        self._member = LaunchMember(store, params.run_id, self.node_id,
-                                    beat_interval_s=min(_MAX_BEAT_INTERVAL_S, keep_alive_s), expiry_s=expiry_s)
+        self._beat_interval_s = min(_MAX_BEAT_INTERVAL_S, keep_alive_s)
+        self._member = LaunchMember(store, params.run_id, self.node_id, beat_interval_s=self._beat_interval_s,
+                                    expiry_s=expiry_s)
         try:
             self.launch_id = self._member.join().launch_id
         except LaunchError as exc:
@@ -145,8 +152,12 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._nodes = 0
         self._nproc: Optional[int] = None
         self._published: Optional[int] = None  # the generation whose local fault is in the store
-        self._retired = False
+        self._retired = False  # retired or fenced: this agent left the run, which goes on without it
         self._standby = False
+        self._peers: Optional[PeerBeats] = None  # the other nodes of the running generation
+        self._fenced_peers: set = set()
+        self._own_fence: Optional[Fence] = None
+        self._next_fence_check = 0.0
         self._stale = StaleLog()
         self.min_nodes = params.min_nodes
         try:
@@ -226,6 +237,8 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._nproc = agent_local_world_size(self) or self._nproc
+        self._peers = None
+        self._refuse_if_fenced()
         if not self._member.current():
             raise RendezvousRefused(f"launch {self.launch_id[:12]} of run {self.run_id!r} was replaced by a newer "
                                     "launch of the same --rdzv-id while this agent was unresponsive; not starting "
@@ -271,12 +284,40 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                 short_since = None
             elif short_since is None:
                 short_since = time.monotonic()
-            elif time.monotonic() - short_since >= self._standby_confirm_s:
+            elif time.monotonic() - short_since >= self._fence_s:
                 if self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode() == self._token:
                     self._standby = True
                     return
             time.sleep(_STANDBY_POLL_S)
             members, formed, closed = membership(self._inner)
+
+    def _refuse_if_fenced(self) -> None:
+        """Before every round: an agent that was cut off from the store for the fence bound, or that
+        another agent fenced, leaves the run (fencing.py)."""
+        silence = self._member.longest_silence_s()
+        if self._own_fence is None:
+            answered, fence = within(lambda: own_fence(self._store, self.node_id, self._token), self._fence_s)
+            if answered and fence is None and silence < self._fence_s:
+                return
+            self._own_fence = fence
+        self._retired = True
+        self._member.stop()
+        fence = self._own_fence
+        if fence is not None:
+            why = (f"node {fence.fenced_by[:12]} FENCED it in generation {fence.generation} after "
+                   f"{fence.silent_s:.1f}s without its keep-alive (lost or cut off from the store)")
+        elif silence >= self._fence_s:
+            why = (f"it was cut off from the rendezvous store at {self._endpoint} for {silence:.1f}s (fence bound "
+                   f"{self._fence_s:g}s: twice the keep-alive expiry), so the other nodes FENCED it")
+        else:
+            why = (f"the rendezvous store at {self._endpoint} does not answer, so the other nodes FENCE it once it "
+                   f"is silent for {self._fence_s:g}s. If every node reports this, the store's host (the one serving "
+                   "--rdzv-endpoint) is gone and the run cannot go on: relaunch the job, it resumes from what GEMINI "
+                   "kept")
+        raise RendezvousRefused(
+            f"node {self.node_id[:12]} (slot {self._slot}) leaves run {self.run_id!r}: {why}. It stopped its workers "
+            f"and may not rejoin launch {self.launch_id[:12]}, whose other nodes go on with a standby in its slot. "
+            "Check this node's network; an agent started on it again parks as a standby")
 
     def _after_initial(self, generation: int) -> bool:
         if not self._store.check(["placement/initial"]):
@@ -406,6 +447,9 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         else:
             decision = "same-node restart"
         self._slot, self._generation, self._nodes = slot, generation, nodes
+        self._peers = PeerBeats(self._store, [(i, r.node_id) for i, r in enumerate(reports) if i != slot],
+                                self._fence_s)
+        self._fenced_peers = set()
         if self._standby:  # admitted: the next standby may join after the next loss
             self._store.set(_STANDBY_MUTEX, "")
             self._standby = False
@@ -429,8 +473,47 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        self._publish_fault()  # torch's agent calls this every monitor interval while its workers run
-        return self._inner.num_nodes_waiting()
+        """torch's agent calls this every monitor interval while its workers run; more than 0 makes
+        it stop them and call next_rendezvous. A store call to a host cut off waits for the store's
+        own timeout, so an answer that takes the fence bound counts as cut off."""
+        if self._member.longest_silence_s() < self._fence_s:
+            answered, waiting = within(self._watch, self._fence_s)
+            if answered and waiting is not None:
+                return waiting
+        logger.error("lm_resiliency rendezvous: node %s (slot %s) cannot reach the rendezvous store at %s (no "
+                     "keep-alive for %.1fs, fence bound %gs): stopping this node's workers", self.node_id[:12],
+                     self._slot, self._endpoint, self._member.longest_silence_s(), self._fence_s)
+        return 1
+
+    def _watch(self) -> int:
+        self._publish_fault()
+        now = time.monotonic()
+        if now >= self._next_fence_check:  # the counters move once per beat interval
+            self._next_fence_check = now + self._beat_interval_s
+            self._fence_silent_peers()
+            self._found_own_fence()
+        waiting = self._inner.num_nodes_waiting()
+        return max(waiting, 1) if self._fenced_peers or self._own_fence is not None else waiting
+
+    def _fence_silent_peers(self) -> None:
+        """Fence the nodes of the running generation whose keep-alive stood still for the bound."""
+        if self._peers is None or self._generation is None:
+            return
+        for slot, node_id, silent_s in self._peers.poll():
+            if node_id in self._fenced_peers:
+                continue
+            token = self._store.get(f"node/{node_id}").decode()
+            write_fence(self._store, Fence(node_id=node_id, token=token, generation=self._generation, slot=slot,
+                                           silent_s=silent_s, fenced_by=self.node_id))
+            self._fenced_peers.add(node_id)
+            logger.error("lm_resiliency rendezvous: node %s (slot %d of generation %d) has not reached the "
+                         "rendezvous store for %.1fs (fence bound %gs): lost or cut off. FENCED: it may not rejoin "
+                         "launch %s; stopping this node's workers, a standby takes its slot", node_id[:12], slot,
+                         self._generation, silent_s, self._fence_s, self.launch_id[:12])
+
+    def _found_own_fence(self) -> None:
+        if self._own_fence is None:
+            self._own_fence = own_fence(self._store, self.node_id, self._token)
 
     def get_run_id(self) -> str:
         return self.run_id  # torch's own rendezvous runs under the launch's inner id

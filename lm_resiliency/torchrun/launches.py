@@ -122,6 +122,8 @@ class LaunchMember:
         self.launch: Optional[Launch] = None
         self.store: Optional[Store] = None
         self._node_claimed = False
+        self._last_beat: Optional[float] = None  # monotonic time of the last beat the store took
+        self._longest_silence_s = 0.0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -188,6 +190,17 @@ class LaunchMember:
         self.store.add(LAUNCH_BEAT, 1)
         if self._node_claimed:
             self.store.add(f"beat/{self.node_id}", 1)
+        now = time.monotonic()
+        if self._last_beat is not None:
+            self._longest_silence_s = max(self._longest_silence_s, now - self._last_beat)
+        self._last_beat = now
+
+    def longest_silence_s(self) -> float:
+        """The longest time this agent's keep-alive did not reach the store since it joined, the
+        silence going on now included: what the other agents saw of it (fencing.py)."""
+        if self._last_beat is None:
+            return 0.0
+        return max(self._longest_silence_s, time.monotonic() - self._last_beat)
 
     def stop(self) -> None:
         """Stops the keep-alive; returns once its thread has ended (a beat in flight gets 5 s to finish)."""
