@@ -57,7 +57,7 @@ def test_a_partitioned_host_is_fenced_replaced_and_refused_when_the_link_heals(m
     assert run.agents["h2"].wait(180) == 1, run.logs()
     refused = run.log("h2")
     assert re.search(r"RendezvousRefused: node \w+ \(slot 1\) leaves run 'partition': (node \w+ FENCED it in "
-                     r"generation 0 after [\d.]+s without its keep-alive|it was cut off from the rendezvous store at "
+                     r"generation 0 after [\d.]+s without its keep-alive \(lost or cut off from the store\)|it was cut off from the rendezvous store at "
                      r"h3:\d+ for [\d.]+s \(fence bound 12s: twice the keep-alive expiry\), so the other nodes "
                      r"FENCED it)\. It stopped its workers and may not rejoin", refused), run.logs()
     assert "generation 1" not in refused, "the cut-off host rejoined the run"

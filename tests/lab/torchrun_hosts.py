@@ -32,14 +32,17 @@ class Run:
     """One training run across lab hosts: `start(host)` launches that host's agent."""
 
     def __init__(self, lab: Lab, base: str, run_id: str, *, store_host: str, nnodes: str, flush: int = 0,
-                 max_restarts: int = 3, rdzv_conf: Optional[Dict[str, str]] = None) -> None:
+                 max_restarts: int = 3, rdzv_conf: Optional[Dict[str, str]] = None, scout: str = "") -> None:
         self.lab, self.base, self.run_id = lab, base, run_id
         self.out = os.path.join(base, f"out-{run_id}")
         os.makedirs(self.out, exist_ok=True)
         self.policy = os.path.join(base, f"policy-{run_id}.toml")
+        policy = L.POLICY.format(disk=os.path.join(lab.node_local, "gemini")).replace(
+            "disk_flush_interval = 0", f"disk_flush_interval = {flush}\nreplication_jump = 2")
+        if scout:  # SCOUT's detection on, with these [replay] settings
+            policy = policy.replace("enable_detection = false", "enable_detection = true") + scout
         with open(self.policy, "w") as f:
-            f.write(L.POLICY.format(disk=os.path.join(lab.node_local, "gemini")).replace(
-                "disk_flush_interval = 0", f"disk_flush_interval = {flush}\nreplication_jump = 2"))
+            f.write(policy)
         self.context = os.path.join(lab.node_local, f"ctx-{run_id}", "context.json")
         low, high = (int(n) for n in nnodes.split(":"))
         self.config = TorchrunLaunchConfig(
