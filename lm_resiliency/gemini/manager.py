@@ -237,7 +237,7 @@ class InMemoryCheckpointManager:
                                "(replicate=False or a world size of 1)")
         return self._peer
 
-    def _node_store(self) -> NodeLocalStore:
+    def node_store(self) -> NodeLocalStore:
         """This rank's node-local store; only an enabled manager has one."""
         if self.store is None:
             raise RuntimeError("GEMINI has no node-local store: InMemoryCkptConfig.enable is False")
@@ -460,7 +460,7 @@ class InMemoryCheckpointManager:
         if not refused:
             (logger.info if self.rank == 0 else logger.debug)(
                 "GEMINI: rank %d flushed step %d%s to %s", self.rank, own.step,
-                " and its peer replica" if peer is not None else "", self._node_store().directory)
+                " and its peer replica" if peer is not None else "", self.node_store().directory)
         if refused:
             raise IntegrityError("GEMINI flush refused to write " + ", ".join(
                 f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for slot in refused)
@@ -491,13 +491,13 @@ class InMemoryCheckpointManager:
                 (self._own if kind == "own" else self._peer_slots()).invalidate(slot)
             return problem
         key = ShardKey(kind, slot.owner_rank, slot.step)
-        self._node_store().write_shard(key, slot.written_layout(), slot.structure, slot.payload(), extra=slot.extra)
+        self.node_store().write_shard(key, slot.written_layout(), slot.structure, slot.payload(), extra=slot.extra)
         return None
 
     def _prune(self) -> None:
         """Keep the newest generations and every step trust depends on (`protected_steps`).
         The status sidecar is not written here: it belongs to the trust ledger."""
-        store = self._node_store()
+        store = self.node_store()
         keys = store.list_shards()
         protected = set(self.protected_steps())
         keep = {k for k in keys if k.step in protected}
@@ -752,7 +752,7 @@ class InMemoryCheckpointManager:
 
     def _stores(self) -> List[NodeLocalStore]:
         """This rank's node-local store, then other ranks' directories on this host's disk."""
-        return [self._node_store(), *self._foreign_stores]
+        return [self.node_store(), *self._foreign_stores]
 
     def _local_availability(self) -> dict:
         """By owner rank: memory slots as (step, lineage); node-local shards as steps (their lineage
@@ -1004,7 +1004,7 @@ class InMemoryCheckpointManager:
         try:
             step = self.flush_now()
             logger.warning("GEMINI: rank %d is ending on an uncaught %s (below); %s", self.rank, exc_type.__name__,
-                           _kept_for_restart(step, self._node_store().directory))
+                           _kept_for_restart(step, self.node_store().directory))
         except Exception:  # the original exception must still be reported
             logger.exception("GEMINI: flush on uncaught exception failed")
         self._previous_excepthook(exc_type, exc, tb)
@@ -1013,7 +1013,7 @@ class InMemoryCheckpointManager:
         try:
             step = self.flush_now()
             logger.warning("GEMINI: rank %d received signal %d; %s", self.rank, signum,
-                           _kept_for_restart(step, self._node_store().directory))
+                           _kept_for_restart(step, self.node_store().directory))
         except Exception:  # the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
