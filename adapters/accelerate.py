@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from lm_resiliency.adapter import StepCallbacks, Topology
+from lm_resiliency.adapter import FrameworkAdapter, StepCallbacks, Topology
 from lm_resiliency.adapters import _accelerate_compat as compat
 from lm_resiliency._torch_compat import find_wrapper, pin_bucket_layout
 from lm_resiliency.adapters.deepspeed import DeepSpeedAdapter
@@ -104,7 +104,7 @@ class _RngNeutralIterator:
             self._exhausted = True
         finally:
             restore_rng(saved)
-        self._saved = saved
+        self._saved: Optional[Dict[str, Any]] = saved  # None once the first batch was handed out
 
     def __iter__(self):
         return self
@@ -386,7 +386,7 @@ class AccelerateLoopState:
             tracker.detach()
 
 
-class _LoopStateMixin:
+class _LoopStateMixin(FrameworkAdapter):
     """The adapter side of `AccelerateLoopState`: captured as deferred state (read after the loop's
     `scheduler.step()`), positions snapshotted at each applied step, trackers detached on remove."""
 

@@ -33,7 +33,7 @@ module only imports DeepSpeed lazily, inside the functions that need it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -439,7 +439,7 @@ class DeepSpeedAdapter(HookFactoryAdapter):
         state[_LOSS_SCALER] = scaler
         state[_ZERO_STAGE] = ZeroStageEnum(saved[_ZERO_STAGE])
         group = self.optimizer.dp_process_group
-        state_list = [None] * dist.get_world_size(group=group)
+        state_list: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size(group=group)
         state_list[dist.get_rank(group=group)] = state  # rigid load: DeepSpeed reads this rank's entry only
         self.optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
 

@@ -286,14 +286,14 @@ class PyTorchAdapter(FrameworkAdapter):
             self.model.register_forward_pre_hook(before_forward, prepend=True),
         ]
         if self.scaler is not None:
-            self._wrap_scaler_step(callbacks.skipped_optimizer_step)
+            self._wrap_scaler_step(self.scaler, callbacks.skipped_optimizer_step)
 
-    def _wrap_scaler_step(self, skipped: Optional[Callable[[], None]]) -> None:
+    def _wrap_scaler_step(self, scaler: Any, skipped: Optional[Callable[[], None]]) -> None:
         """GradScaler.step() skips optimizer.step() on inf/NaN gradients, so no optimizer hook fires;
         the wrapper reports that boundary, keeping step_count equal to the loop's own counter."""
         if skipped is None:
             raise TypeError("scaler= needs a session that handles skipped optimizer steps")
-        original = self.scaler.step
+        original = scaler.step
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             before = self._optimizer_steps
@@ -302,7 +302,7 @@ class PyTorchAdapter(FrameworkAdapter):
                 skipped()
             return result
 
-        self.scaler.step = self._scaler_step = step
+        scaler.step = self._scaler_step = step
 
     def replay_targets(self) -> tuple:
         return self.model, self.optimizer
@@ -314,7 +314,8 @@ class PyTorchAdapter(FrameworkAdapter):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._scaler_step is not None and self.scaler.__dict__.get("step") is self._scaler_step:
+        if self._scaler_step is not None and self.scaler is not None \
+                and self.scaler.__dict__.get("step") is self._scaler_step:
             del self.scaler.step  # the class's own step() again
         self._scaler_step = None
 

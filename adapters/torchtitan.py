@@ -203,12 +203,13 @@ class TorchTitanAdapter(HookFactoryAdapter):
                 "buffers": {n: _local(b) for n, b in persistent_buffers(module).items()}}
         for kind, tensors in live.items():
             got = saved.get(kind) if isinstance(saved, dict) else None
-            names = set(got) if isinstance(got, dict) else set()
+            recovered = got if isinstance(got, dict) else {}
+            names = set(recovered)
             if names != set(tensors):
                 raise ValueError(f"recovered model {kind} do not match the trainer's model: missing "
                                  f"{sorted(set(tensors) - names)[:8]}, unexpected {sorted(names - set(tensors))[:8]}")
             for name, target in tensors.items():
-                value = got[name]
+                value = recovered[name]
                 if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
                     raise ValueError(f"recovered {name} has shape {tuple(value.shape)} {value.dtype}, the live "
                                      f"model has {tuple(target.shape)} {target.dtype} on this rank (was the "

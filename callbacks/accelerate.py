@@ -31,6 +31,7 @@ dataloader positions and `accelerator.step` are captured as under MULTI_CPU/MULT
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import runpy
@@ -269,9 +270,8 @@ def install_prepare_hook() -> None:
         _on_prepared(self)
         return result
 
-    prepare.__doc__ = current.__doc__
-    prepare.__wrapped__ = current
-    prepare._lm_resiliency_wrapped = current
+    functools.update_wrapper(prepare, current, assigned=("__doc__",), updated=())  # its docstring and __wrapped__
+    prepare.__dict__["_lm_resiliency_wrapped"] = current  # ours: install is idempotent, uninstall restores it
     Accelerator.prepare = prepare
 
 

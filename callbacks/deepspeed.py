@@ -67,6 +67,7 @@ class DeepSpeedEngineHooks:
         self.adapter = adapter
         self.engine = engine
         self.callbacks = callbacks
+        self._skipped_optimizer_step = callbacks.skipped_optimizer_step
         self.session = callbacks.session
         self.managed_steps = 0
         self._original_step = engine.step
@@ -128,7 +129,7 @@ class DeepSpeedEngineHooks:
         else:
             # Skipped (gradient overflow): parameters unchanged, counter advanced, nothing to capture;
             # SCOUT's out-of-band monitor still sees progress.
-            self.callbacks.skipped_optimizer_step()  # step_count -> global_steps (checked aligned above)
+            self._skipped_optimizer_step()  # step_count -> global_steps (checked aligned above)
         return result
 
     # ------------------------------------------------------- load_checkpoint

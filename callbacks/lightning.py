@@ -61,7 +61,8 @@ def _callback_bases() -> tuple:
     return tuple(bases)
 
 
-class ResiliencyCallback(*_callback_bases()):
+# mypy cannot follow a base list computed at import (Lightning's Callback, from either package).
+class ResiliencyCallback(*_callback_bases()):  # type: ignore[misc]
     """GEMINI in-memory checkpoints and SCOUT checks for a Lightning `Trainer`.
 
     Arguments mirror `enable_resiliency`: `interval` (shared capture/check cadence; overrides
@@ -216,7 +217,7 @@ class ResiliencyCallback(*_callback_bases()):
             if session.capture_due():
                 self.adapter.mark_boundary()
         if self._log_metrics:
-            self._log_findings(trainer)
+            self._log_findings(trainer, session)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.session is not None:
@@ -261,13 +262,13 @@ class ResiliencyCallback(*_callback_bases()):
         if self._user_oob_fault_callback is not None:
             self._user_oob_fault_callback(report)
 
-    def _log_findings(self, trainer: Any) -> None:
+    def _log_findings(self, trainer: Any, session: ResiliencySession) -> None:
         metrics: Dict[str, float] = {}
-        result = self.session.last_replay_result
+        result = session.last_replay_result
         if result is not None and result is not self._logged_result:
             self._logged_result = result
             metrics.update(replay_metrics(result))
-        captured = self.session.latest_gemini_step
+        captured = session.latest_gemini_step
         if captured != self._logged_gemini_step and captured >= 0:
             self._logged_gemini_step = captured
             metrics["gemini_captured_step"] = float(captured)

@@ -48,7 +48,8 @@ class MegatronStepHooks:
         if "step" in vars(optimizer):
             raise RuntimeError("optimizer.step is already wrapped on this Megatron optimizer (is another "
                                "lm-resiliency session attached? close() it first)")
-        if callbacks.skipped_optimizer_step is None:
+        skipped_optimizer_step = callbacks.skipped_optimizer_step
+        if skipped_optimizer_step is None:
             raise TypeError("Megatron hooks need a session that handles skipped (overflow) optimizer steps")
         self.optimizer = optimizer
         self.callbacks = callbacks
@@ -62,7 +63,7 @@ class MegatronStepHooks:
             if applied:
                 callbacks.after_optimizer_step()
             else:
-                callbacks.skipped_optimizer_step()
+                skipped_optimizer_step()
             return result
 
         optimizer.step = step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from datetime import timedelta
+from typing import TypeGuard
 
 from lm_resiliency.errors import ResiliencyError
 
@@ -20,7 +21,7 @@ class ConfigError(ResiliencyError, ValueError):
     """A configuration value is invalid. The message names the field and the accepted values."""
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A true int: `bool` is an int subclass in Python, but True is never a step, rank or size."""
     return isinstance(value, int) and not isinstance(value, bool)
 

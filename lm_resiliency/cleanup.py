@@ -85,7 +85,7 @@ def cleanup(shared_memory_dir: Optional[str], disk_folders: Iterable[str], older
 
 def _open_private_dir(path: str, parent_fd: Optional[int] = None, name: Optional[str] = None) -> int:
     try:
-        fd = os.open(name if parent_fd is not None else path, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(path if name is None else name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
         raise CleanupError(exc.errno, f"cannot open it as a directory without following links: {exc.strerror}",
                            path) from exc

@@ -23,7 +23,7 @@ import random
 import shutil
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -153,7 +153,7 @@ class ResiliencySession:
                     self._agreement_group = wire.new_group(None, self.config.timeout_s,
                                                            "the checkpoint-trust agreement group")
                     self.scout.exclude_groups(self._agreement_group)
-                self.ledger = CertificationLedger(self.scout.catalog_size, self.manager.store,
+                self.ledger = CertificationLedger(self.scout.catalog_size, self.manager.node_store(),
                                                   group=self._agreement_group, durable=durable_checkpoint,
                                                   dynamic=self.scout.catalog_dynamic)
                 self.manager.protected_steps = self._protected_steps
@@ -192,6 +192,7 @@ class ResiliencySession:
             self.ledger is not None and self.ledger.requires_verified_recovery)
         if exact is not None and self.manager is None:
             raise RecoveryUnavailable(f"step {exact} was selected for recovery, but GEMINI checkpointing is off")
+        loaded: Optional[Tuple[int, Any]] = None  # the GEMINI step found, and the state it holds
         if self.manager is not None:
             # GEMINI's transfers are not training collectives for SCOUT's hang rule; the recovery
             # shows as one checkpoint read instead (its own stall threshold; ending it is progress).
@@ -201,14 +202,16 @@ class ResiliencySession:
                     step = self.manager.find_latest(step=exact, allowed_steps=allowed)
                 else:
                     step = self._find_verified() if verified_only else self.manager.find_latest()
-                state = self.manager.load() if step is not None else None
-        if verified_only and step is None:
+                if step is not None:
+                    loaded = step, self.manager.load()
+        if verified_only and loaded is None:
             step = self._recover_verified_durable()
             self.activity.resumed(step, "durable", "the certified durable checkpoint")
             self._announce(f"resumed {self._run_name()}at step {step} from the certified durable checkpoint "
                            "(no RECOVERY_VERIFIED GEMINI state)")
             return step
-        if step is not None:
+        if loaded is not None:
+            step, state = loaded
             self.adapter.load_framework_state(state["framework"])
             self.adapter.load_deferred_state(state["deferred"])
             if not self.adapter.defers_rng_restore:
@@ -245,6 +248,13 @@ class ResiliencySession:
         self._announce(f"started fresh: {why}")
         return None
 
+    def _gemini(self) -> InMemoryCheckpointManager:
+        """The GEMINI manager; only a session with checkpointing on has one."""
+        if self.manager is None:
+            raise RuntimeError("lm-resiliency: this session has no GEMINI manager: checkpointing is off "
+                               "(enable_checkpoint=False or InMemoryCkptConfig.enable=False)")
+        return self.manager
+
     def _disarm_guard(self) -> None:
         guard, self._guard = self._guard, None
         if guard is not None:
@@ -256,7 +266,7 @@ class ResiliencySession:
     def _sources_text(self) -> str:
         """'memory', or e.g. 'memory (ranks 0, 2), peer memory (rank 1)' when ranks differ."""
         by_label: Dict[str, list] = {}
-        for owner, (holder, medium) in sorted(self.manager.job_recovery_sources.items()):
+        for owner, (holder, medium) in sorted(self._gemini().job_recovery_sources.items()):
             where = "disk" if medium == "disk" else "memory"
             by_label.setdefault(where if holder == owner else f"peer {where}", []).append(owner)
         if len(by_label) == 1:
@@ -273,17 +283,16 @@ class ResiliencySession:
                     "can load")
         reason = (f"no GEMINI state of run {manager.run_id!r} (from {manager.identity.source}) in memory, "
                   f"shared memory or {manager.config.disk_folder}")
-        hint = self._other_state_hint() if manager.rank == 0 else ""
+        hint = self._other_state_hint(manager) if manager.rank == 0 else ""
         if hint:
             reason += f"; {hint}"
         if not manager.identity.stable:
             reason += f"; this run id is new for every launch, so no relaunch can resume: {FIX}"
         return reason
 
-    def _other_state_hint(self) -> str:
+    def _other_state_hint(self, manager: InMemoryCheckpointManager) -> str:
         """State in the same folders that this start could not use (another topology of this run,
         another run's state when this run id is new): what `lm-resiliency inspect` shows."""
-        manager = self.manager
         try:
             return fresh_start_hint(manager.config.disk_folder, manager.config.shared_memory_dir,
                                     run_id=manager.run_id, topology=manager.topology, world_size=manager.world_size,
@@ -299,7 +308,7 @@ class ResiliencySession:
 
     def _find_verified(self) -> Optional[int]:
         verified = self.ledger.verified_steps() if self.ledger is not None else []
-        return self.manager.find_latest(allowed_steps=verified) if verified else None
+        return self._gemini().find_latest(allowed_steps=verified) if verified else None
 
     def _recover_verified_durable(self) -> int:
         """No RECOVERY_VERIFIED GEMINI state: only a certified durable checkpoint may be loaded."""
@@ -359,7 +368,7 @@ class ResiliencySession:
             nonfinite = self._nonfinite_state() if self.config.check_finite else []
             checked = nonfinite is not None
             nonfinite = nonfinite or []
-            if self.ledger is not None:
+            if self.ledger is not None and self.scout is not None:  # a ledger is only built with SCOUT
                 # SCOUT runs first: an SDC anywhere in the job vetoes this capture on every rank, and
                 # so does NaN/Inf state anywhere (replay cannot see it once the all-reduce spread it).
                 decision = self.ledger.boundary(self.step_count, self._boundary_verdict,
@@ -464,7 +473,7 @@ class ResiliencySession:
             return (verified[0], "node_local") if verified else (None, None)
         if self.manager.latest_step >= 0:
             return self.manager.latest_step, "memory"
-        disk = [k.step for k in self.manager.store.list_shards() if k.kind == "own"]
+        disk = [k.step for k in self.manager.node_store().list_shards() if k.kind == "own"]
         return (max(disk), "node_local") if disk else (None, None)
 
     def _on_oob_report(self, report: SCOUTFaultReport) -> None:
@@ -566,7 +575,7 @@ class ResiliencySession:
             raise ValueError("copy_checkpoint_to: no destination given and no restart destination resolver set")
         if self.manager is None:
             return []
-        source_dir = self.manager.store.directory
+        source_dir = self.manager.node_store().directory
         target_dir = destination
         for part in os.path.relpath(source_dir, self.manager.config.disk_folder).split(os.sep):
             target_dir = os.path.join(target_dir, part)
@@ -607,16 +616,16 @@ class ResiliencySession:
             if sweep.outcome is SweepOutcome.SDC and self.ledger is not None:
                 self.ledger.note_sdc(self.step_count, sweep.reason)
         decision = self._decide(failure, all_ranks_accessible, sweep)
-        faulty = sweep is not None and sweep.result is not None and not sweep.result.healthy
-        if faulty:
-            self.last_replay_result = sweep.result
+        fault = sweep.result if sweep is not None and sweep.result is not None and not sweep.result.healthy else None
+        if fault is not None:
+            self.last_replay_result = fault
             if self._fault_callback is not None:
-                self._fault_callback(sweep.result)
+                self._fault_callback(fault)
         hooks = self._orchestration
         if hooks is not None and hooks.report_recovery is not None:
             hooks.report_recovery(decision)
-        if faulty and hooks is not None and hooks.report_fault is not None:
-            for report in replay_fault_reports(sweep.result):
+        if fault is not None and hooks is not None and hooks.report_fault is not None:
+            for report in replay_fault_reports(fault):
                 hooks.report_fault(report)
         return decision.recovery_mode
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
@@ -110,12 +111,14 @@ def parse_policy_document(data: bytes, kind: str, where: str, schema: RecordSche
     except UnicodeDecodeError as exc:
         raise SettingsRejected(f"{where}: not UTF-8 text: {exc}") from None
     try:
-        if kind == ".toml":
+        if kind != ".toml":
+            doc = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
+        elif sys.version_info >= (3, 11):
             import tomllib
 
             doc = tomllib.loads(text)
         else:
-            doc = loads_strict_json(text, max_depth=_MAX_POLICY_DEPTH)
+            raise ImportError("tomllib is in the standard library from Python 3.11")
     except RecursionError:  # tomllib recurses per nested array/inline table
         raise SettingsRejected(f"{where}: nested too deeply to be a policy file") from None
     except ImportError:

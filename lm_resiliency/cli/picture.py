@@ -228,11 +228,15 @@ def _progress_panel(ax: Any, picture: Picture) -> None:
         if resumed and prev.ended_at is not None:
             began = prev.stopped_at if prev.stopped_at is not None else prev.ended_at
             ax.axvspan(began - t0, min(resumed) - t0, color="#d62728", alpha=0.07)
-    for step, marks in _by_step([m for m in picture.marks if m.kind == "injected" and m.t is not None]).items():
-        for mark in marks:
-            ax.plot([mark.t - t0], [step], "v", ms=10, color=mark.color, markeredgecolor="white", zorder=5)
-        ax.annotate(" + ".join(m.label for m in marks), (marks[0].t - t0, step), xytext=(-6, 6),
-                    textcoords="offset points", fontsize=8, ha="right", color=marks[0].color)
+    for step, marks in _by_step([m for m in picture.marks if m.kind == "injected"]).items():
+        timed = [(mark.t - t0, mark) for mark in marks if mark.t is not None]
+        if not timed:
+            continue
+        for t, mark in timed:
+            ax.plot([t], [step], "v", ms=10, color=mark.color, markeredgecolor="white", zorder=5)
+        label_t, label_mark = timed[0]
+        ax.annotate(" + ".join(mark.label for _, mark in timed), (label_t, step), xytext=(-6, 6),
+                    textcoords="offset points", fontsize=8, ha="right", color=label_mark.color)
     for mark in picture.marks:
         if mark.kind == "localized" and mark.t is not None and mark.step is not None:
             ax.plot([mark.t - t0], [mark.step], "X", ms=12, color=mark.color, markeredgecolor="white", zorder=6)

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from lm_resiliency.cli.picture import Generation, Mark, Picture, draw
 from lm_resiliency.errors import ResiliencyError
@@ -60,7 +60,7 @@ def _rank_dirs(run_dir: str) -> List[Tuple[int, str]]:
 
 
 def _run_ids(run_dir: str) -> List[str]:
-    ids = set()
+    ids: Set[str] = set()
     for _, rank_dir in _rank_dirs(run_dir)[:1]:
         try:
             ids.update(e["run_id"] for e in read_events(rank_dir).events)

@@ -187,6 +187,9 @@ def corrupt_tensor(x: torch.Tensor, *, fault_id: str, operation: CorruptionOpera
         chosen = torch.tensor([index])
         evidence["index"] = index
     elif scope is FaultScope.FRACTION:
+        if fraction is None:
+            raise UnsupportedFaultError(fault_id, "scope 'fraction' needs `fraction`, the share of elements "
+                                                  "to corrupt in (0, 1]")
         count = max(1, min(numel, int(round(float(fraction) * numel))))
         chosen = torch.randperm(numel, generator=generator)[:count]
         evidence["fraction"] = fraction

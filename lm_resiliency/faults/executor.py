@@ -147,18 +147,21 @@ class CallbackFaultExecutor(FaultExecutor):
     def _handles(self, spec: FaultSpec) -> bool:
         return self._types is None or spec.type in self._types
 
-    def check(self, spec: FaultSpec) -> None:
-        if self._handles(spec):
-            return
+    def _fallback_for(self, spec: FaultSpec) -> FaultExecutor:
         if self._fallback is None:
             raise UnsupportedFaultError(spec.fault_id, f"the callback executor does not handle "
                                                        f"{spec.type.value} and has no fallback")
-        self._fallback.check(spec)
+        return self._fallback
+
+    def check(self, spec: FaultSpec) -> None:
+        if not self._handles(spec):
+            self._fallback_for(spec).check(spec)
 
     def execute(self, request: FaultExecutionRequest) -> FaultExecutionResult:
         if not self._handles(request.spec):
-            self.check(request.spec)
-            return self._fallback.execute(request)
+            fallback = self._fallback_for(request.spec)
+            fallback.check(request.spec)
+            return fallback.execute(request)
         result = self._fn(request)
         if result is None:
             return FaultExecutionResult()

@@ -284,6 +284,10 @@ class LocalFaultExecutor(FaultExecutor):
             return FaultExecutionResult(evidence={"action": "drop"}, value=())
         if t is F.DUPLICATE:
             return FaultExecutionResult(evidence={"action": "duplicate"}, value=(batch, batch))
+        if request.fetch is None:
+            raise UnsupportedFaultError(request.fault_id, f"{t.value} swaps with the next batch, and the request "
+                                                          "has no `fetch` to pull it (FaultInjectionSession."
+                                                          "wrap_dataloader provides one)")
         try:
             following = request.fetch()
         except StopIteration:
@@ -304,7 +308,7 @@ class LocalFaultExecutor(FaultExecutor):
             self._sleep(seconds)
         waited = round(time.monotonic() - started, 6)
         evidence = {"seconds": seconds, "waited_s": waited, "phase": request.phase}
-        ids = dict(occurrence_id=request.occurrence_id, fault_id=request.fault_id, evidence=evidence)
+        ids: Dict[str, Any] = dict(occurrence_id=request.occurrence_id, fault_id=request.fault_id, evidence=evidence)
         if t is F.TIMEOUT:
             raise InjectedTimeout(p.get("message", f"injected timeout after {seconds}s "
                                                    f"({request.occurrence_id})"), **ids)

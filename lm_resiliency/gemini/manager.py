@@ -106,6 +106,10 @@ class InMemoryCheckpointManager:
         self.steps_seen: List[int] = []
         self._loads = 0
         self._incoming_bytes: Optional[int] = None
+        # Set by _setup: an enabled manager has a store; a replicating one (world size > 1) a pairing.
+        self.pairing: Optional[Pairing] = None
+        self.store: Optional[NodeLocalStore] = None
+        self._plan: Optional[RecoveryPlan] = None
         if not self.config.enable:
             self._setup_disabled()
             return
@@ -121,9 +125,6 @@ class InMemoryCheckpointManager:
         `save()` captures nothing and `find_latest()` finds nothing."""
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.pairing = None
-        self.store = None
-        self._plan = None
         logger.info("GEMINI: disabled (InMemoryCkptConfig.enable=False) on rank %d: nothing is "
                     "captured, written or recovered", self.rank)
 
@@ -136,7 +137,6 @@ class InMemoryCheckpointManager:
         if self.world_size > 1:
             # Dedicated gloo group: replication and agreement never queue behind training collectives.
             self._group = wire.new_group(None, timeout, "GEMINI's replication and recovery group")
-        self.pairing: Optional[Pairing] = None
         invalid: Optional[ConfigError] = None
         if replicate and self.world_size > 1:
             try:
@@ -182,7 +182,7 @@ class InMemoryCheckpointManager:
         self._own = SlotPair("own", allocate, timeout, mirror=self._arena)
         self._peer = SlotPair("peer", allocate, timeout, mirror=self._arena) if self.pairing else None
         if self._arena is not None:
-            self._adopt_predecessor_slots()
+            self._adopt_predecessor_slots(self._arena)
         self._replicator = (PeerReplicator(self._group, self.rank, self.pairing,
                                            self.config.replication_chunk_size, timeout,
                                            on_failure=self._close_links)
@@ -191,7 +191,6 @@ class InMemoryCheckpointManager:
         self._capture_done = threading.Event()
         self._capture_done.set()
         self._last_flushed_step = 0
-        self._plan: Optional[RecoveryPlan] = None
         self._capture_worker = Worker("capture")
         self._replication_worker = Worker("replication")
         self._flush_worker = Worker("flush")
@@ -225,11 +224,24 @@ class InMemoryCheckpointManager:
             return buffer
         return counted
 
-    def _adopt_predecessor_slots(self) -> None:
-        for found in self._arena.adopt():
-            pair = self._own if found.name.startswith("own") else self._peer
+    def _adopt_predecessor_slots(self, arena: SharedSlotArena) -> None:
+        for found in arena.adopt():  # peer slots only where this rank holds a peer's replica
+            pair = self._own if found.name.startswith("own") else self._peer_slots()
             pair.adopt(found.name, found.buffer, found.layout, found.structure, found.step,
                        found.owner_rank, found.extra, found.crc32, found.predecessor_pid)
+
+    def _peer_slots(self) -> SlotPair:
+        """The slots holding the partner's replica; only a replicating rank has them."""
+        if self._peer is None:
+            raise RuntimeError(f"GEMINI rank {self.rank} holds no peer replica: it does not replicate "
+                               "(replicate=False or a world size of 1)")
+        return self._peer
+
+    def node_store(self) -> NodeLocalStore:
+        """This rank's node-local store; only an enabled manager has one."""
+        if self.store is None:
+            raise RuntimeError("GEMINI has no node-local store: InMemoryCkptConfig.enable is False")
+        return self.store
 
     def host_memory(self) -> HostMemoryReport:
         """Host-slot memory of this rank: mode ("shared" or "heap"), directory, bytes per slot
@@ -268,9 +280,11 @@ class InMemoryCheckpointManager:
         """The previous capture's Layout object when shapes and dtypes are unchanged (the usual
         case), so slots can keep their typed views."""
         key = tuple((t.dtype, t.shape) for t in tensors)
-        if key != self._layout_key:
-            self._layout_key, self._layout = key, Layout.for_tensors(tensors)
-        return self._layout
+        layout = self._layout
+        if key != self._layout_key or layout is None:
+            layout = Layout.for_tensors(tensors)
+            self._layout_key, self._layout = key, layout
+        return layout
 
     def maybe_wait(self) -> None:
         """Block until the prior capture is complete and its replication launched."""
@@ -344,7 +358,9 @@ class InMemoryCheckpointManager:
             if self._abandoned is not None:  # this rank's own decision, not a failure to report
                 logger.warning("GEMINI: rank %d did not replicate step %d: %s", self.rank, source.step, exc)
                 return
-            notice = self._board.find(sorted({self.pairing.recv_from, self.pairing.send_to})) if self._board else None
+            pairing = self.pairing
+            notice = (self._board.find(sorted({pairing.recv_from, pairing.send_to}))
+                      if self._board is not None and pairing is not None else None)
             if notice is not None:
                 raise RuntimeError(f"GEMINI replication of step {source.step} on rank {self.rank} failed because "
                                    f"{notice}; restart the job from the newest recoverable step. "
@@ -369,7 +385,7 @@ class InMemoryCheckpointManager:
     def _close_links(self, why: str = "stopped replicating") -> None:
         """Close GEMINI's links on this rank, even while the replication worker waits on them."""
         with self._group_lock:
-            if self._group is not None:
+            if self._group is not None and self.pairing is not None:
                 logger.debug("GEMINI: rank %d closes GEMINI's links: %s", self.rank, why)
                 close_links(self._group, self.pairing.recv_from)
 
@@ -401,17 +417,19 @@ class InMemoryCheckpointManager:
         if self._group_aborted:
             raise RuntimeError(f"GEMINI replication of step {source.step} skipped: GEMINI's group was "
                                "closed after an earlier replication failed; restart the job")
-        slot, header = self._replicator.exchange(source, self._peer.begin_write)
+        if self._replicator is None:
+            raise RuntimeError(f"GEMINI replication of step {source.step} skipped: rank {self.rank} has no "
+                               "replication partner (replicate=False or a world size of 1)")
+        peer = self._peer_slots()
+        slot, header = self._replicator.exchange(source, peer.begin_write)
         if header["step"] != source.step:
             raise RuntimeError(f"GEMINI replication: rank {header['owner_rank']} sent step "
                                f"{header['step']} while this rank captured {source.step}")
-        problem = self._bytes_problem(header["extra"], slot.buffer[: slot.layout.total_bytes],
-                                      header["step"])
+        problem = self._bytes_problem(header["extra"], slot.payload(), header["step"])
         if problem is not None:
             raise IntegrityError(f"GEMINI replication: refused rank {header['owner_rank']}'s replica of "
                                  f"step {header['step']}: {problem}")
-        self._peer.publish(slot, header["step"], header["structure"], header["owner_rank"],
-                           header["extra"])
+        peer.publish(slot, header["step"], header["structure"], header["owner_rank"], header["extra"])
         if self._flush_due(source.step):
             self._submit_flush(source, slot)
 
@@ -425,7 +443,7 @@ class InMemoryCheckpointManager:
         self._last_flushed_step = own.step
         self._own.acquire(own)
         if peer is not None:
-            self._peer.acquire(peer)
+            self._peer_slots().acquire(peer)
         self._flush_worker.submit(lambda: self._flush(own, peer))
 
     def _flush(self, own: HostSlot, peer: Optional[HostSlot]) -> None:
@@ -438,11 +456,11 @@ class InMemoryCheckpointManager:
         finally:
             self._own.release(own)
             if peer is not None:
-                self._peer.release(peer)
+                self._peer_slots().release(peer)
         if not refused:
             (logger.info if self.rank == 0 else logger.debug)(
                 "GEMINI: rank %d flushed step %d%s to %s", self.rank, own.step,
-                " and its peer replica" if peer is not None else "", self.store.directory)
+                " and its peer replica" if peer is not None else "", self.node_store().directory)
         if refused:
             raise IntegrityError("GEMINI flush refused to write " + ", ".join(
                 f"{slot.name} (rank {slot.owner_rank}, step {slot.step})" for slot in refused)
@@ -470,21 +488,22 @@ class InMemoryCheckpointManager:
             logger.error("GEMINI: rank %d refuses to flush %s slot %s (rank %d, step %d): %s", self.rank, kind,
                          slot.name, slot.owner_rank, slot.step, problem)
             if self._on_timeline(slot):
-                (self._own if kind == "own" else self._peer).invalidate(slot)
+                (self._own if kind == "own" else self._peer_slots()).invalidate(slot)
             return problem
         key = ShardKey(kind, slot.owner_rank, slot.step)
-        self.store.write_shard(key, slot.layout, slot.structure, slot.payload(), extra=slot.extra)
+        self.node_store().write_shard(key, slot.written_layout(), slot.structure, slot.payload(), extra=slot.extra)
         return None
 
     def _prune(self) -> None:
         """Keep the newest generations and every step trust depends on (`protected_steps`).
         The status sidecar is not written here: it belongs to the trust ledger."""
-        keys = self.store.list_shards()
+        store = self.node_store()
+        keys = store.list_shards()
         protected = set(self.protected_steps())
         keep = {k for k in keys if k.step in protected}
         for kind in ("own", "peer"):
             keep.update([k for k in keys if k.kind == kind][:_KEEP_GENERATIONS])
-        self.store.prune(keep)
+        store.prune(keep)
 
     def flush_now(self) -> int:
         """Synchronously write the newest complete own (and peer) slots; returns the step or -1.
@@ -692,6 +711,9 @@ class InMemoryCheckpointManager:
         """Fork the timeline from the recovered state and drop what it abandons. Collective: no
         rank trains on (and captures into) the new timeline before every rank dropped its
         abandoned state."""
+        if self._recovered is None:
+            raise RuntimeError("GEMINI: the timeline continues from the plan find_latest() chose; call "
+                               "find_latest() before load()")
         lineage, ancestry = self._recovered
         self._timeline = self._timeline.fork(lineage, ancestry, step, timeline.draw_lineage(self._group))
         error = None
@@ -730,7 +752,7 @@ class InMemoryCheckpointManager:
 
     def _stores(self) -> List[NodeLocalStore]:
         """This rank's node-local store, then other ranks' directories on this host's disk."""
-        return [self.store, *self._foreign_stores]
+        return [self.node_store(), *self._foreign_stores]
 
     def _local_availability(self) -> dict:
         """By owner rank: memory slots as (step, lineage); node-local shards as steps (their lineage
@@ -825,7 +847,7 @@ class InMemoryCheckpointManager:
         a predecessor's shared slot against its sidecar) before it may be used."""
         if not self.config.verify_integrity:
             return True
-        token = (slot.name, slot.step, timeline.lineage_of(slot.extra), slot.buffer.data_ptr())
+        token = (slot.name, slot.step, timeline.lineage_of(slot.extra), slot.written_buffer().data_ptr())
         if token in self._verified:
             return True
         if slot.adopted_from is not None and arena is not None and CRC_KEY in slot.extra:
@@ -982,7 +1004,7 @@ class InMemoryCheckpointManager:
         try:
             step = self.flush_now()
             logger.warning("GEMINI: rank %d is ending on an uncaught %s (below); %s", self.rank, exc_type.__name__,
-                           _kept_for_restart(step, self.store.directory))
+                           _kept_for_restart(step, self.node_store().directory))
         except Exception:  # the original exception must still be reported
             logger.exception("GEMINI: flush on uncaught exception failed")
         self._previous_excepthook(exc_type, exc, tb)
@@ -991,7 +1013,7 @@ class InMemoryCheckpointManager:
         try:
             step = self.flush_now()
             logger.warning("GEMINI: rank %d received signal %d; %s", self.rank, signum,
-                           _kept_for_restart(step, self.store.directory))
+                           _kept_for_restart(step, self.node_store().directory))
         except Exception:  # the previous handler must still run
             logger.exception("GEMINI: flush on signal %d failed", signum)
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
@@ -1060,7 +1082,7 @@ class InMemoryCheckpointManager:
 
     def _release(self, keep_shared: bool) -> None:
         self._release_sources()
-        if getattr(self, "store", None) is not None:
+        if self.store is not None:
             self.store.detach()
         for pair in (getattr(self, "_own", None), getattr(self, "_peer", None)):
             if pair is not None:

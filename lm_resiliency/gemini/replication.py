@@ -146,7 +146,7 @@ class PeerReplicator:
         header = {
             "step": source.step,
             "owner_rank": self.rank,
-            "layout": source.layout.to_json(),
+            "layout": source.written_layout().to_json(),
             "structure": source.structure,
             "extra": source.extra,
             "tails": chunk_tails(source.payload(), self.chunk_size),
@@ -154,7 +154,7 @@ class PeerReplicator:
         peer_header = self._exchange_json(header)
         layout, tails = self._check_header(peer_header)
         target = receive_into(layout)
-        self._exchange_bytes(source.payload(), target.buffer[: layout.total_bytes], tails)
+        self._exchange_bytes(source.payload(), target.written_buffer()[: layout.total_bytes], tails)
         return target, peer_header
 
     def _check_header(self, header: Any) -> tuple:

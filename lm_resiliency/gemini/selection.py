@@ -19,7 +19,7 @@ owner's own disk, a disk on the owner's host, another host's disk; the lowest ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from lm_resiliency.gemini.timeline import abandoned
 
@@ -50,7 +50,7 @@ def _sorted(items) -> list:
     return [_json(e) for e in entries]
 
 
-def availability_report(own_steps, held: Dict[int, list], timelines: Optional[dict] = None) -> dict:
+def availability_report(own_steps, held: Mapping[int, Iterable], timelines: Optional[dict] = None) -> dict:
     """`own_steps` and `held` values: steps, or (step, lineage) pairs. `timelines` maps each lineage
     this rank knows to its ancestry (see timeline.py)."""
     report: dict = {"own": _sorted(own_steps), "held": {str(o): _sorted(s) for o, s in held.items()}}
@@ -104,7 +104,7 @@ def choose_plan(reports: List[dict], exact_step: Optional[int] = None,
     for step in sorted(steps, reverse=True):
         # Unknown lineage (None) is a candidate only where no lineage is known: it must never
         # join two known lineages.
-        lineages = sorted({x for s, x in candidates if s == step and x is not None}) or [None]
+        lineages: Sequence[Optional[str]] = sorted({x for s, x in candidates if s == step and x is not None}) or [None]
         for lineage in lineages:
             if abandoned(lineage, step, known):
                 continue

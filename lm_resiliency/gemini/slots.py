@@ -60,15 +60,28 @@ class HostSlot:
     # tensors make rebuilding them a visible cost on the training thread).
     _views: Optional[tuple] = field(default=None, repr=False)
 
+    def written_buffer(self) -> torch.Tensor:
+        """The buffer `SlotPair.begin_write` allocated for this slot."""
+        if self.buffer is None:
+            raise RuntimeError(f"GEMINI slot {self.name} has no buffer: SlotPair.begin_write allocates it "
+                               "before anything is written into the slot")
+        return self.buffer
+
+    def written_layout(self) -> Layout:
+        """The layout `SlotPair.begin_write` sized this slot for."""
+        if self.layout is None:
+            raise RuntimeError(f"GEMINI slot {self.name} has no layout: SlotPair.begin_write sizes it "
+                               "before anything is written into the slot")
+        return self.layout
+
     def payload(self) -> torch.Tensor:
-        assert self.buffer is not None and self.layout is not None
-        return self.buffer[: self.layout.total_bytes]
+        return self.written_buffer()[: self.written_layout().total_bytes]
 
     def views(self) -> List[torch.Tensor]:
-        assert self.buffer is not None and self.layout is not None
+        buffer, layout = self.written_buffer(), self.written_layout()
         cached = self._views
-        if cached is None or cached[0] is not self.buffer or cached[1] is not self.layout:
-            cached = (self.buffer, self.layout, self.layout.views(self.buffer))
+        if cached is None or cached[0] is not buffer or cached[1] is not layout:
+            cached = (buffer, layout, layout.views(buffer))
             self._views = cached
         return cached[2]
 

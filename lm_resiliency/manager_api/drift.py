@@ -13,6 +13,7 @@ Nothing here communicates: gathering is the caller's choice of transport.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import math
@@ -126,7 +127,7 @@ def _determinism_settings() -> Dict[str, Any]:
     for name, owner in (("fp32_precision", torch.backends), ("cuda.matmul.fp32_precision", matmul),
                         ("cudnn.fp32_precision", cudnn)):
         if hasattr(owner, "fp32_precision"):
-            readers[name] = lambda owner=owner: owner.fp32_precision
+            readers[name] = functools.partial(getattr, owner, "fp32_precision")
     settings = {}
     for name, read in readers.items():
         try:
@@ -272,7 +273,7 @@ def _flatten(document: Mapping[str, Any], where: str, prefix: str = "") -> Dict[
 
 
 def _field_drift(holders: Dict[str, List[int]]) -> Dict[str, Any]:
-    values = [{"missing": True, "ranks": ranks} if key == "missing"
+    values: List[Dict[str, Any]] = [{"missing": True, "ranks": ranks} if key == "missing"
               else {"value": loads_strict_json(key), "ranks": ranks}
               for key, ranks in sorted(holders.items(), key=lambda item: (-len(item[1]), item[1][0]))]
     leader, runner_up = values[0], values[1]

@@ -33,15 +33,17 @@ class OutputGradCapture:
         if not torch.is_grad_enabled():
             return None
         outputs = self._tensors_in(output)
-        self.grads = [None] * len(outputs)
+        grads: List[Optional[torch.Tensor]] = [None] * len(outputs)
+        self.grads = grads
         for index, tensor in enumerate(outputs):
             if tensor.requires_grad:
-                tensor.register_hook(self._store(index))
+                tensor.register_hook(self._store(grads, index))
         return None
 
-    def _store(self, index: int) -> Any:
+    @staticmethod
+    def _store(grads: List[Optional[torch.Tensor]], index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            self.grads[index] = grad.detach().clone()
+            grads[index] = grad.detach().clone()
         return hook
 
     @property

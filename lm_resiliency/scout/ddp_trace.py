@@ -118,7 +118,7 @@ class GradientBucketTrace:
     # hot path -----------------------------------------------------------------------------------
 
     # No annotations: DDP compares them with the real types, and this module's are strings.
-    def _hook(self, _state, bucket):  # type: ignore[no-untyped-def]
+    def _hook(self, _state, bucket):
         if not self._active:  # after close DDP keeps the hook, which then only reduces
             state, inner = self._inner
             return inner(state, bucket)

@@ -115,7 +115,7 @@ class ScoutHarness:
         # Setup waits (torch's default: 30 minutes) give up only once the hang monitor would have
         # reported a stall and a full sweep could have localized it.
         bound = config.hang_stall_threshold_s + config.full_sweep_timeout_s
-        hosts = self._hosts(distributed, bound)
+        hosts = self._gather_hosts(distributed, bound)
         group_ranks = [self.rank]
         replay_group = None
         peer_groups: Optional[List[List[int]]] = None
@@ -244,7 +244,7 @@ class ScoutHarness:
         replay checks are off."""
         return self.detector.coverage() if self.detector is not None else None
 
-    def _hosts(self, distributed: bool, timeout_s: float) -> Dict[int, str]:
+    def _gather_hosts(self, distributed: bool, timeout_s: float) -> Dict[int, str]:
         host = socket.gethostname()
         if not distributed:
             return {0: host}

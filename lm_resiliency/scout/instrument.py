@@ -76,7 +76,7 @@ class InstrumentedDataLoader:
         return InstrumentedIterator(iter(self._lmr_loader), self._lmr_beacon, self._lmr_op)
 
     def __len__(self) -> int:
-        return len(self._lmr_loader)  # type: ignore[arg-type]
+        return len(self._lmr_loader)
 
     def __getattr__(self, item: str) -> Any:
         # Only called when normal lookup fails: everything else belongs to the wrapped loader.

@@ -133,7 +133,7 @@ _COMMUNICATION_CACHE: Dict[str, bool] = {}
 
 def is_local_stall_op(op: Optional[str]) -> bool:
     """True for an op with its own stall report: an instrumented DataLoader or checkpoint I/O."""
-    return bool(op) and (op.startswith(DATALOADER_OP_PREFIX) or op.startswith(CHECKPOINT_OP_PREFIX))
+    return op is not None and (op.startswith(DATALOADER_OP_PREFIX) or op.startswith(CHECKPOINT_OP_PREFIX))
 
 
 # --------------------------------------------------------------------------------------------- beacon

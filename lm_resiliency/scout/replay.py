@@ -76,6 +76,9 @@ logger = logging.getLogger(__name__)
 CHECKS = CHECK_CLASSES
 ACTIVATION_CHECKS = ("embedding", "hidden", "output")
 ERROR_SIGNATURE = "error"
+# One replay check of a run's plan: (check, module path or optimizer label, source rank; None: the
+# optimizer check has no source to compare against).
+PlannedCheck = Tuple[str, str, Optional[int]]
 _HEADER_KEYS = {"ok", "step", "check", "module", "structure", "layout", "autocast", "reason", "live"}
 
 
@@ -451,9 +454,9 @@ class ReplayDetector:
         self._captures, self._armed_step = {}, None
         due = self.checks_due(step)
         activation = [c for c in due if c != "optimizer"]
-        plan = [[c, self._target(c, step)[0], self._source(c, step)] for c in activation]
+        plan: List[PlannedCheck] = [(c, self._target(c, step)[0], self._source(c, step)) for c in activation]
         if "optimizer" in due:
-            plan.append(["optimizer", self._optimizer_target(step)[0], self._optimizer_source(step)])
+            plan.append(("optimizer", self._optimizer_target(step)[0], self._optimizer_source(step)))
         headers: Dict[str, dict] = {}
         outgoing: Dict[str, List[torch.Tensor]] = {}
         for check, path, source in plan:
@@ -465,7 +468,7 @@ class ReplayDetector:
         local: List[dict] = []
         optimizer_doc = None
         for check, path, source in plan:
-            if check == "optimizer" and source is None:
+            if source is None:  # only the optimizer check can have no source: nothing to compare
                 optimizer_doc = self._optimizer_check(step, None)
                 continue
             header, payload = agreed[source][check], payloads[check]
@@ -502,11 +505,11 @@ class ReplayDetector:
                       live=capture.live)
         return header, encoded.tensors
 
-    def _agree(self, step: int, plan: list, headers: Dict[str, dict]) -> Dict[int, Dict[str, dict]]:
+    def _agree(self, step: int, plan: List[PlannedCheck], headers: Dict[str, dict]) -> Dict[int, Dict[str, dict]]:
         """Every peer's headers by rank, after checking that every peer runs the same plan."""
-        doc = {"rank": self._rank, "step": step, "plan": plan, "headers": headers}
+        doc = {"rank": self._rank, "step": step, "plan": [list(check) for check in plan], "headers": headers}
         docs = [doc] if self.group is None else wire.all_gather_json(doc, group=self.group)
-        by_rank = {d.get("rank"): d for d in docs if isinstance(d, dict)}
+        by_rank = {d["rank"]: d for d in docs if isinstance(d, dict) and is_int(d.get("rank"))}
         if set(by_rank) != set(self.group_ranks) or len(docs) != len(self.group_ranks):
             raise ReplayError(f"step {step}: replay plans came from ranks {sorted(map(str, by_rank))}, "
                               f"expected {sorted(self.group_ranks)}")
@@ -520,7 +523,7 @@ class ReplayDetector:
                 raise ReplayError(f"step {step}: rank {rank} sent malformed invocation headers")
         return {rank: d["headers"] for rank, d in by_rank.items()}
 
-    def _receive(self, step: int, plan: list, agreed: Dict[int, Dict[str, dict]],
+    def _receive(self, step: int, plan: List[PlannedCheck], agreed: Dict[int, Dict[str, dict]],
                  outgoing: Dict[str, List[torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Every shared invocation's flat payload on every peer, by check: one uint8 broadcast per
         source, carrying all of that source's checks back to back (checks due together share a
@@ -580,7 +583,9 @@ class ReplayDetector:
         leaves: List[Optional[torch.Tensor]] = []
         for param in module.parameters():
             state = self.optimizer.state.get(param) if not _is_dtensor(param) else None
-            for key in sorted(state or {}, key=str):
+            if state is None:
+                continue
+            for key in sorted(state, key=str):
                 leaves.append(_state_leaf(state[key]))
         return structure_signature(leaves) if leaves else None
 
@@ -589,10 +594,10 @@ class ReplayDetector:
         device = module_device(module)
         try:
             layout = Layout.from_json(header["layout"])
-            leaves = layout.views(payload)
-            entry["input"] = structure_signature(leaves)
+            received = layout.views(payload)
+            entry["input"] = structure_signature(received)
             # Every peer, the source included, replays the same received bytes.
-            invocation = decode_state(header["structure"], list(leaves))
+            invocation = decode_state(header["structure"], list(received))
             if not isinstance(invocation, dict) or not {"args", "kwargs"} <= set(invocation) <= \
                     {"args", "kwargs", "grad_outputs"} or not isinstance(invocation["args"], (tuple, list)) \
                     or not isinstance(invocation["kwargs"], dict) \

@@ -29,6 +29,7 @@ deletes its keys; a call that some peer never finished keeps them (one batch per
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -151,7 +152,6 @@ class FullCatalogSweep:
         self._prefix = f"{STORE_PREFIX}/{next(_SWEEPS)}/group-{'-'.join(map(str, self.group_ranks))}"
         self._calls = itertools.count()
         self._handle: Optional[Any] = None
-        self._armed_step: Optional[int] = None
         self._replaying = False
 
     # -- recording ------------------------------------------------------------------------------
@@ -159,13 +159,13 @@ class FullCatalogSweep:
     def record(self, step: int) -> None:
         """Keep the inputs of the root model's next forward (call before the forward of `step`)."""
         self._remove_hook()
-        self._armed_step = step
-        self._handle = self._root.register_forward_pre_hook(self._record, with_kwargs=True, prepend=True)
+        self._handle = self._root.register_forward_pre_hook(functools.partial(self._record, step), with_kwargs=True,
+                                                            prepend=True)
 
-    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _record(self, step: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying:
             return None
-        self.latest = RecordedInvocation(self._armed_step, clone_inputs(args, True), clone_inputs(kwargs, True),
+        self.latest = RecordedInvocation(step, clone_inputs(args, True), clone_inputs(kwargs, True),
                                          autocast_regions(), module.training)
         self._remove_hook()
         return None
@@ -220,6 +220,8 @@ class FullCatalogSweep:
         newest = max(holders.values())
         source = min(r for r, s in holders.items() if s == newest)
         if source == self.rank:
+            if recorded is None:
+                raise _Incomplete(f"rank {self.rank} announced a recorded forward but no longer holds it")
             self._publish_invocation(exchange, recorded)
         header = exchange.gather("header", (source,), "publish its recorded invocation", HEADER_SCHEMA)[source]
         if not header.get("ok"):
