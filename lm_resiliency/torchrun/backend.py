@@ -42,8 +42,7 @@ from datetime import timedelta
 from typing import List, Optional, Tuple
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, RendezvousHandler, RendezvousInfo,
-                                                  RendezvousParameters)
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 from lm_resiliency.config import RUN_ID_ENV
 from lm_resiliency.errors import ResiliencyError
@@ -73,12 +72,18 @@ _NO_POLICY = "none"
 _NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STANDBY_POLL_S = 1.0
 _STANDBY_MUTEX = "standby/joining"
+_PARKED = "standby/parked"  # how many standbys are parked now
 _MAX_BEAT_INTERVAL_S = 1.0
 _MAX_REASON = 8192  # a manager's reason is bounded by its own record; the context adds a note
 
 
 class RendezvousRefused(ResiliencyError, RuntimeError):
     """This agent may not join the run (duplicate identity, policy mismatch, unsafe context)."""
+
+
+class StandbyReleased(SystemExit):
+    """The run ended while this agent was a parked standby: it was not needed and exits with
+    status 0 (torch's launcher reports its own graceful rendezvous exit as a failure)."""
 
 
 class LMResiliencyRendezvousHandler(RendezvousHandler):
@@ -269,27 +274,46 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
 
     def _wait_as_standby(self) -> None:
         """An agent that arrives after the first generation formed parks here, outside torch's
-        rendezvous, until an active node is gone (missing for twice the keep-alive expiry); then one
-        standby at a time joins."""
+        rendezvous, until an active node is gone (missing for the fence bound); then one standby per
+        fence bound joins, until the run has its nodes again. The run ending releases it (exit 0)."""
         members, formed, closed = membership(self._inner)
         if not formed:
             return
         logger.warning("lm_resiliency rendezvous: node %s parks as a standby of run %r", self.node_id[:12], self.run_id)
+        self._store.add(_PARKED, 1)
+        try:
+            self._park(members, closed)
+        finally:
+            within(lambda: self._store.add(_PARKED, -1), _STANDBY_POLL_S)
+
+    def _park(self, members: int, closed: bool) -> None:
         short_since: Optional[float] = None
+        holder, held_since = "", 0.0  # another standby that took the turn to join, and since when
         while True:
             if closed:
-                raise RendezvousGracefulExitError(f"run {self.run_id!r} ended while node {self.node_id[:12]} was a "
-                                                  "standby")
+                self._retired = True  # never joined: closing again is not this agent's to do
+                self._member.stop()
+                logger.warning("lm_resiliency rendezvous: run %r ended while node %s was a parked standby; it was "
+                               "not needed and exits (status 0)", self.run_id, self.node_id[:12])
+                raise StandbyReleased(0)
+            now = time.monotonic()
             if members >= self.min_nodes:
                 short_since = None
             elif short_since is None:
-                short_since = time.monotonic()
-            elif time.monotonic() - short_since >= self._fence_s:
-                if self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode() == self._token:
+                short_since = now
+            elif now - short_since >= self._fence_s:
+                held = self._store.compare_set(_STANDBY_MUTEX, "", self._token).decode()
+                if held != holder:
+                    holder, held_since = held, now
+                if held != self._token and now - held_since >= self._fence_s:
+                    # The standby that took the turn did not bring the run back to its nodes within
+                    # the bound (two nodes lost, or it died on the way): the next one goes too.
+                    held = self._store.compare_set(_STANDBY_MUTEX, held, self._token).decode()
+                if held == self._token:
                     self._standby = True
                     return
             time.sleep(_STANDBY_POLL_S)
-            members, formed, closed = membership(self._inner)
+            members, _, closed = membership(self._inner)
 
     def _refuse_if_fenced(self) -> None:
         """Before every round: an agent that was cut off from the store for the fence bound, or that
@@ -451,7 +475,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
                                 self._fence_s)
         self._fenced_peers = set()
         if self._standby:  # admitted: the next standby may join after the next loss
-            self._store.set(_STANDBY_MUTEX, "")
+            self._store.compare_set(_STANDBY_MUTEX, self._token, "")
             self._standby = False
         reason = selection.reason[:_MAX_REASON]
         if local.ignored:
@@ -522,4 +546,16 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._member.stop()
         if self._retired:  # closing would end the run for the nodes that go on
             return True
-        return self._inner.shutdown()
+        closed = self._inner.shutdown()
+        self._release_standbys()
+        return closed
+
+    def _release_standbys(self) -> None:
+        """Parked standbys learn that the run ended from torch's closed flag, and the store may go
+        away with this agent: wait (two standby polls at most) until every parked one has seen it."""
+        deadline = time.monotonic() + 2 * _STANDBY_POLL_S + 1.0
+        while time.monotonic() < deadline:
+            answered, parked = within(lambda: self._store.add(_PARKED, 0), _STANDBY_POLL_S)
+            if not answered or not parked:
+                return
+            time.sleep(0.1)

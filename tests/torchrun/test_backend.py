@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from lm_resiliency.config import ConfigError
 from lm_resiliency.torchrun import context as ctx
-from lm_resiliency.torchrun.backend import LMResiliencyRendezvousHandler, RendezvousRefused
+from lm_resiliency.torchrun.backend import LMResiliencyRendezvousHandler, RendezvousRefused, StandbyReleased
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id, read_machine_id
 from lm_resiliency.integrations.torchrun import create_rendezvous_handler, get_rendezvous_handler_creator
 from tests.torchrun.launcher import POLICY, ROOT, machine_id_file, plugin_path
@@ -246,7 +246,7 @@ def test_the_first_min_nodes_are_active_and_a_later_agent_parks_until_the_run_cl
         def park() -> None:
             try:
                 outcome["info"] = standby.next_rendezvous()
-            except RendezvousGracefulExitError as exc:
+            except StandbyReleased as exc:
                 outcome["exit"] = exc
 
         thread = threading.Thread(target=park, daemon=True)
@@ -256,7 +256,7 @@ def test_the_first_min_nodes_are_active_and_a_later_agent_parks_until_the_run_cl
         assert active.num_nodes_waiting() == 0  # a parked standby does not restart the active group
         active.set_closed()
         thread.join(60)
-        assert not thread.is_alive() and "exit" in outcome
+        assert not thread.is_alive() and "exit" in outcome and outcome["exit"].code == 0  # not needed: status 0
         assert not os.path.exists(tmp_path / "ctx-b" / "context.json")  # it never ran a generation
     finally:
         standby.shutdown()

@@ -75,20 +75,33 @@ def test_within_tells_a_blocked_or_failed_store_call_from_an_answer():
         within(bug, 1.0)
 
 
-def _two_active(tmp_path, run_id: str):
-    """Two agents of a 2-node run (machines a and b) after their first generation formed."""
-    handlers, infos = [], {}
-    for name in ("a", "b"):
+def handlers_of(tmp_path, run_id: str, machines: str, max_nodes: int) -> list:
+    """One agent per machine name of a run of at least 2 nodes (fence bound 4 s)."""
+    handlers = []
+    for name in machines:
         _use_machine(tmp_path, name)
-        handlers.append(create_rendezvous_handler(_params(tmp_path, run_id=run_id, min_nodes=2, max_nodes=2,
+        handlers.append(create_rendezvous_handler(_params(tmp_path, run_id=run_id, min_nodes=2, max_nodes=max_nodes,
                                                           context=f"ctx-{name}", **FAST)))
+    return handlers
+
+
+def start_joining(handlers: list) -> tuple:
+    """Each handler's next_rendezvous() in a thread of its own: (threads, {index: RendezvousInfo})."""
+    infos: dict = {}
 
     def join(index: int) -> None:
         infos[index] = handlers[index].next_rendezvous()
 
-    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(2)]
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(len(handlers))]
     for thread in threads:
         thread.start()
+    return threads, infos
+
+
+def _two_active(tmp_path, run_id: str):
+    """Two agents of a 2-node run (machines a and b) after their first generation formed."""
+    handlers = handlers_of(tmp_path, run_id, "ab", 2)
+    threads, infos = start_joining(handlers)
     for thread in threads:
         thread.join(120)
     assert len(infos) == 2, "the 2-node generation did not form"

@@ -9,8 +9,8 @@ import lm_resiliency
 from lm_resiliency import ConfigError, RecoveryUnavailable, ResiliencyError
 from lm_resiliency.torchrun.retirement import NodeRetired
 
-# Not user-facing failures: a retired node's worker exit, and the sweep's private control-flow signals.
-OUTSIDE = {"lm_resiliency.torchrun.retirement.NodeRetired", "lm_resiliency.scout.sweep._Incomplete",
+# Not user-facing failures: a retired node's and a released standby's agent exits, and the sweep's private control-flow signals.
+OUTSIDE = {"lm_resiliency.torchrun.retirement.NodeRetired", "lm_resiliency.torchrun.backend.StandbyReleased", "lm_resiliency.scout.sweep._Incomplete",
            "lm_resiliency.scout.sweep._NotRun"}
 SKIPPED_MODULES = ("lm_resiliency.__main__", "lm_resiliency.torchrun._shim")  # run as programs, not imported
 
