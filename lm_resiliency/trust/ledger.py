@@ -75,10 +75,11 @@ class CertificationLedger:
     def _open(self) -> None:
         """Load the persisted trust; with a group, reconcile it across ranks (collective)."""
         error: Optional[BaseException] = None
-        changed = False
+        changed = held = False
         try:
             status = self._store.read_status()
-            if status is not None and "trust" in status:
+            held = status is not None and "trust" in status
+            if held:
                 self._state, changed = rules.loaded(self._state, status["trust"])
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = exc
@@ -87,7 +88,7 @@ class CertificationLedger:
                 raise error
         else:
             views = self._gather({"error": None if error is None else f"{type(error).__name__}: {error}",
-                                  "catalog_size": self.catalog_size, "trust": self.trust()})
+                                  "catalog_size": self.catalog_size, "trust": self.trust(), "held": held})
             failed = [(r, v["error"]) for r, v in enumerate(views) if v["error"]]
             if failed:
                 raise CertificationError("CertificationLedger: could not load certification trust: "
@@ -97,7 +98,12 @@ class CertificationLedger:
                 raise CertificationError(f"CertificationLedger: ranks disagree on catalog_size ({sizes}); every "
                                          "rank of the group must use the same replay-shape catalog")
             before = self.trust()
-            self._state = rules.reconcile(self._state, [v["trust"] for v in views])
+            # A rank with no trust record at all (its host and disk were lost: a standby's rank, or
+            # a rank that moved to another host) knows nothing and vetoes nothing; it takes what
+            # every rank that holds a record agrees on (the certification was job-wide).
+            held_trusts = [v["trust"] for v in views if v["held"]]
+            if held_trusts:
+                self._state = rules.reconcile(self._state, held_trusts)
             changed |= self.trust() != before
         if changed:
             self._persist()

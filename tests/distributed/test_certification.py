@@ -103,3 +103,52 @@ def test_misaligned_steps_fail_on_every_rank(tmp_path):
     outcomes = run_ranks(_misaligned, WORLD, str(tmp_path), timeout=120, check=False)
     for outcome in outcomes:
         assert outcome.error is not None and "different steps" in outcome.error, outcome
+
+
+def _certify_then_reopen(rank, world, root):
+    """Certify steps 10 and 20 on every rank, then reopen the ledgers twice: with rank 1's record
+    gone (its host and disk lost: now a standby's rank), and with rank 2's record holding step 10
+    only (a record that disagrees still vetoes)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from lm_resiliency.gemini.storage import NodeLocalStore
+    from lm_resiliency.trust import CertificationLedger
+
+    folder = os.path.join(root, f"host-{rank}")
+
+    def ledger():
+        store = NodeLocalStore(folder, "run", "topo", rank, verify_integrity=False)
+        return store, CertificationLedger(1, store, group=dist.group.WORLD)
+
+    _, first = ledger()
+    first.boundary(10, "clean", True)
+    first.boundary(20, "clean", True)
+    dist.barrier()
+    saved = os.path.join(root, f"saved-{rank}")
+    shutil.copytree(folder, saved)
+    if rank == 1:
+        shutil.rmtree(folder)
+    dist.barrier()
+    adopted = ledger()[1].verified_steps()
+    dist.barrier()
+    shutil.rmtree(folder)
+    shutil.copytree(saved, folder)
+    if rank == 2:
+        store = NodeLocalStore(folder, "run", "topo", rank, verify_integrity=False)
+        status = store.read_status()
+        trust = status["trust"]
+        trust["verified_history"] = [e for e in trust["verified_history"] if e["step"] == 10]
+        trust["recovery_verified_step"] = 10
+        store.write_status(status)
+    dist.barrier()
+    return adopted, ledger()[1].verified_steps()
+
+
+def test_a_rank_without_a_trust_record_adopts_what_every_holder_agrees_on(tmp_path):
+    """A standby's rank on a fresh host has no trust record: it must not wipe the job's
+    RECOVERY_VERIFIED history (tests/lab/test_lab_hang.py needs it to resume); a rank whose record
+    lacks a step still vetoes it."""
+    results = run_ranks(_certify_then_reopen, 3, str(tmp_path))
+    assert results == [([20, 10], [10])] * 3

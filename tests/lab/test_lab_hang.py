@@ -3,7 +3,9 @@ nothing): SCOUT's out-of-band monitor on another host localizes the stopped rank
 the node that runs it (exit 0, never to rejoin), a standby on a fresh host takes a slot, and every
 rank resumes from the newest RECOVERY_VERIFIED step, the lost ranks from the replicas over the
 network: final state bitwise equal to an uninterrupted run (which runs without SCOUT: detection
-must not change training either). tests/torchrun/test_retirement.py covers the same path on one
+must not change training either). The standby's ranks and the ranks that move hosts hold no trust
+record: they take the RECOVERY_VERIFIED history the other ranks agree on (before that fix every
+rank refused the verified step: "this run's trust ledger certifies no step"). tests/torchrun/test_retirement.py covers the same path on one
 host with a worker that blocks in Python."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def test_a_sigstopped_worker_is_named_its_host_retired_and_a_standby_resumes_bit
     lab["h2"].stop(lab["h2"].workers()[2].pid)  # SIGSTOP: from now on it answers nothing
     codes = run.wait(900)
     assert all(codes[h] == 0 for h in ("h0", "h1", "h2", "h3")), (codes, run.logs())
-    assert "SCOUT found hang at step 7 on global ranks [2] in generation 0" in run.log("h2"), run.logs()
+    assert re.search(r"SCOUT found hang at step \d+ on global ranks \[2\] in generation 0", run.log("h2")), run.logs()
     assert re.search(r"node \w+ \(slot 1\) RETIRED from run 'sigstop'", run.log("h2")), run.logs()
     assert "generation 1" not in run.log("h2"), "the retired host rejoined the run"
     assert re.search(r"generation 1, node slot 0 of 3: replacement, checkpoint step 6 \(.*newest "
