@@ -21,6 +21,7 @@ ACTIVE = ["h1", "h2", "h3"]
 DETECTION = "\n[replay]\nhang_stall_threshold_s = 10.0\nmonitor_poll_interval_s = 0.5\n"
 
 
+@pytest.mark.slow  # about 2.5 minutes on 2 busy cores
 @pytest.mark.timeout(1500)
 def test_a_sigstopped_worker_is_named_its_host_retired_and_a_standby_resumes_bitwise(make_lab, tmp_path,
                                                                                      baseline):
