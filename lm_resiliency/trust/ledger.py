@@ -78,8 +78,8 @@ class CertificationLedger:
         changed = held = False
         try:
             status = self._store.read_status()
-            held = status is not None and "trust" in status
-            if held:
+            if status is not None and "trust" in status:
+                held = True
                 self._state, changed = rules.loaded(self._state, status["trust"])
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = exc
