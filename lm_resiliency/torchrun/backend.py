@@ -55,7 +55,7 @@ from lm_resiliency.torchrun.fencing import Fence, PeerBeats, own_fence, within, 
 from lm_resiliency.torchrun.coordinator import (MANAGER_OPTION, TorchrunCoordinatorError, TorchrunSuccessorPlacement,
                                                 check_lease, commit_placement, read_placement, successor_for)
 from lm_resiliency.torchrun.identity import derive_torchrun_node_id
-from lm_resiliency.torchrun.launches import LaunchError, LaunchMember, inner_run_id, run_store
+from lm_resiliency.torchrun.launches import LaunchError, LaunchMember, inner_run_id, node_key, run_store
 from lm_resiliency.torchrun.policy import WorkerPolicy, parse_policy, read_policy_bytes
 from lm_resiliency.torchrun.retirement import (FAULT_RECORD, NodeFault, NodeRetired, acknowledge_fault, fault_problem,
                                                read_fault)
@@ -157,7 +157,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         self._nodes = 0
         self._nproc: Optional[int] = None
         self._published: Optional[int] = None  # the generation whose local fault is in the store
-        self._retired = False  # retired or fenced: this agent left the run, which goes on without it
+        self._retired = False  # retired, fenced or a released standby: the run goes on without this agent
         self._standby = False
         self._peers: Optional[PeerBeats] = None  # the other nodes of the running generation
         self._fenced_peers: set = set()
@@ -526,7 +526,7 @@ class LMResiliencyRendezvousHandler(RendezvousHandler):
         for slot, node_id, silent_s in self._peers.poll():
             if node_id in self._fenced_peers:
                 continue
-            token = self._store.get(f"node/{node_id}").decode()
+            token = self._store.get(node_key(node_id)).decode()
             write_fence(self._store, Fence(node_id=node_id, token=token, generation=self._generation, slot=slot,
                                            silent_s=silent_s, fenced_by=self.node_id))
             self._fenced_peers.add(node_id)

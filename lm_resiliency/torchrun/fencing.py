@@ -27,6 +27,7 @@ from torch.distributed import DistError, Store
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from lm_resiliency.files import RecordSchema, encode_record, integer, number, parse_record, text
+from lm_resiliency.torchrun.launches import beat_key
 
 FENCE_SCHEMA = "lm-resiliency-torchrun-fence/1"
 FENCE_RECORD = RecordSchema(what="fence record", identity=("schema", FENCE_SCHEMA), fields={
@@ -98,7 +99,7 @@ class PeerBeats:
         """(slot, node id, seconds silent) of every peer whose counter stood still for the bound."""
         silent = []
         for slot, node_id in self._peers:
-            count, now = self._store.add(f"beat/{node_id}", 0), self._clock()
+            count, now = self._store.add(beat_key(node_id), 0), self._clock()
             last = self._seen.get(node_id)
             if last is None or last[0] != count:
                 self._seen[node_id] = (count, now)

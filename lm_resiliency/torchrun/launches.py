@@ -48,6 +48,16 @@ def run_store(store: Store, run_id: str) -> Store:
     return PrefixStore(f"lm_resiliency/{run_id}/", store)
 
 
+def node_key(node_id: str) -> str:
+    """The launch-store key holding the claim token of the agent that holds node identity `node_id`."""
+    return f"node/{node_id}"
+
+
+def beat_key(node_id: str) -> str:
+    """The launch-store key of node `node_id`'s keep-alive counter."""
+    return f"beat/{node_id}"
+
+
 def launch_store(store: Store, run_id: str, launch_id: str) -> Store:
     """The part of the rendezvous store one launch's agents and its recovery manager share."""
     return PrefixStore(f"lm_resiliency/{run_id}/launch/{launch_id}/", store)
@@ -157,7 +167,7 @@ class LaunchMember:
         """Hold this node's identity in the launch. Refused (LaunchError) while another live agent
         holds it; taken over from an agent that stopped beating (it died; this one replaces it)."""
         assert self.store is not None and self.launch is not None, "join() first"
-        key, beat = f"node/{self.node_id}", f"beat/{self.node_id}"
+        key, beat = node_key(self.node_id), beat_key(self.node_id)
         while True:
             held = self.store.compare_set(key, "", token).decode()
             if held == token:
@@ -189,7 +199,7 @@ class LaunchMember:
             return
         self.store.add(LAUNCH_BEAT, 1)
         if self._node_claimed:
-            self.store.add(f"beat/{self.node_id}", 1)
+            self.store.add(beat_key(self.node_id), 1)
         now = time.monotonic()
         if self._last_beat is not None:
             self._longest_silence_s = max(self._longest_silence_s, now - self._last_beat)
